@@ -1,0 +1,21 @@
+# The two entry points of the README. Each creates (or reuses) .venv and installs into it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dptune account --dataset-size 1797 --batch-size 64 --epochs 20 --target-epsilon 3 --trials 10
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service workers tests bench
+
+test: lint
+	$(VENV)/bin/pytest -q

@@ -1,0 +1,68 @@
+"""Noise calibration: the smallest σ whose cost lands at or just below a target ε."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from service.accounting import checks
+from service.accounting.jobs import job_epsilon, method_params, trial_rdp
+
+#: calibrated ε lies in [target·(1 − RELATIVE_TOLERANCE), target]
+RELATIVE_TOLERANCE = 1e-3
+SIGMA_MIN, SIGMA_MAX = 1e-2, 1e4
+
+
+def _bisect(cost: Callable[[float], float], target: float) -> float:
+    """Largest-cost σ with cost(σ) ≤ target, to the relative tolerance, for a cost that
+    decreases in σ. Bisection in log σ keeps the step relative over the whole bracket."""
+    lo, hi = SIGMA_MIN, 1.0
+    while cost(hi) > target:
+        lo, hi = hi, hi * 2
+        if hi > SIGMA_MAX:
+            raise ValueError(
+                f"target_epsilon {target} is too small: even noise_multiplier {SIGMA_MAX:g} "
+                "costs more"
+            )
+    if cost(lo) <= target:
+        return lo  # the target is looser than any noise we would ever recommend
+    for _ in range(200):
+        eps_hi = cost(hi)
+        if eps_hi >= target * (1 - RELATIVE_TOLERANCE):
+            break
+        mid = math.sqrt(lo * hi)
+        if cost(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def calibrate_noise(
+    sample_rate: float,
+    steps: int,
+    target_epsilon: float,
+    delta: float,
+    method: str = "single",
+    *,
+    extra_rdp: np.ndarray | None = None,
+    **params: Any,
+) -> float:
+    """Noise multiplier σ that makes one run (``method="single"``) or a whole tuning job
+    (``"rdp"``, ``"lt"``, ``"ps"`` with their parameters, as in
+    :func:`~service.accounting.jobs.tuning_epsilon`) cost ε ∈ [target·(1 − 10⁻³), target] at δ.
+    """
+    target = checks.positive("target_epsilon", target_epsilon)
+    checks.sample_rate(sample_rate)
+    checks.count("steps", steps)
+    checks.probability("delta", delta)
+    params = method_params(method, params)
+
+    def cost(sigma: float) -> float:
+        return job_epsilon(trial_rdp(sample_rate, sigma, steps, extra_rdp), delta, method,
+                           **params)
+
+    return _bisect(cost, target)

@@ -1,0 +1,124 @@
+"""Privacy cost of a whole hyperparameter-tuning job.
+
+Three ways to charge K trials that each run the same mechanism Q (one trial's RDP curve):
+
+- ``rdp``: K fixed trials, all outputs may be released; RDP curves add (K·curve).
+- ``lt``: Liu–Talwar random stopping, in the form of paper 001 (DC-SGD), Theorem 1.
+- ``ps``: Papernot & Steinke (ICLR 2022, arXiv 2110.03620) RDP bounds for a random number of
+  trials K, only the best output released.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from scipy import stats
+
+from service.accounting import checks
+from service.accounting.rdp import ORDERS, epsilon_from_rdp
+
+
+@dataclass(frozen=True)
+class LiuTalwarBound:
+    """The numbers of paper 001, Theorem 1, for one job."""
+
+    epsilon: float  # 3ε₁ + 3√(2δ₁): the job's ε
+    delta: float  # 3√(2δ₁)·T + δ₂: equals the requested overall δ
+    max_trials: int  # T = ⌈ln(1/δ₂)/γ⌉
+    trial_epsilon: float  # ε₁
+    trial_delta: float  # δ₁
+
+
+def liu_talwar(trial_rdp: np.ndarray, delta: float, gamma: float, delta2: float) -> LiuTalwarBound:
+    """Liu–Talwar random stopping as paper 001 (DC-SGD), Theorem 1 states it.
+
+    After each trial a γ-coin decides whether to stop; at most T = ⌈ln(1/δ₂)/γ⌉ trials run.
+    If each trial is (ε₁, δ₁)-DP, the job is (3ε₁ + 3√(2δ₁), 3√(2δ₁)·T + δ₂)-DP. Given the
+    job's overall δ we choose δ₁ = ((δ − δ₂)/(3T))²/2 so that 3√(2δ₁)·T + δ₂ = δ exactly, and
+    ε₁ = the trial's ε at δ₁. (The original Liu–Talwar statement may have √(2δ₁)·T in the δ
+    term; paper 001's 3√(2δ₁)·T is the larger, hence safe, reading.)
+    """
+    d = checks.probability("delta", delta)
+    g = checks.positive("gamma", gamma)
+    if g > 1:
+        raise ValueError(f"gamma must be in (0, 1], got {g}")
+    d2 = checks.probability("delta2", delta2)
+    if d2 >= d:
+        raise ValueError(f"delta2 must be smaller than delta ({d}), got {d2}")
+    max_trials = math.ceil(math.log(1 / d2) / g)
+    delta1 = ((d - d2) / (3 * max_trials)) ** 2 / 2
+    eps1, _ = epsilon_from_rdp(trial_rdp, delta1)
+    return LiuTalwarBound(
+        epsilon=3 * eps1 + 3 * math.sqrt(2 * delta1),
+        delta=3 * math.sqrt(2 * delta1) * max_trials + d2,
+        max_trials=max_trials,
+        trial_epsilon=eps1,
+        trial_delta=delta1,
+    )
+
+
+def _ps_shape(eta: float | None) -> float:
+    return math.inf if eta is None else checks.at_least("eta", eta, 0.0)
+
+
+def tnb_gamma(mean: float, eta: float) -> float:
+    """γ of the truncated negative binomial D_{η,γ} with the given mean (Papernot–Steinke
+    Def. 1; γ = 1/mean for the geometric η = 1). Bisection by dp-accounting, which returns the
+    conservative (smaller-γ, heavier-tailed) end."""
+    return rdp_lib._gamma_truncated_negative_binomial(eta, mean)
+
+
+def trials_tail(mean: float, eta: float | None, max_trials: int) -> float:
+    """P[K > max_trials] for the Papernot–Steinke distribution of K.
+
+    Poisson(μ): the Poisson survival function. Truncated negative binomial with η > 0: it is a
+    negative binomial NB(η, γ) conditioned on K ≥ 1, so P[K > k] = sf_NB(k)/(1 − γ^η).
+    η = 0 is the logarithmic distribution with parameter 1 − γ.
+    """
+    if eta is None:
+        return float(stats.poisson.sf(max_trials, mean))
+    gamma = tnb_gamma(mean, eta)
+    if eta == 0:
+        return float(stats.logser.sf(max_trials, 1 - gamma))
+    return float(stats.nbinom.sf(max_trials, eta, gamma) / -math.expm1(eta * math.log(gamma)))
+
+
+def tuning_rdp(trial_rdp: np.ndarray, mean: float, eta: float | None) -> np.ndarray:
+    """RDP curve of running Q a random number K of times and releasing only the best output
+    (Papernot & Steinke, ICLR 2022).
+
+    - K ~ truncated negative binomial D_{η,γ} (η ≥ 0; η = 1 geometric, η = 0 logarithmic),
+      Theorem 2: ε'(λ) = ε(λ) + (1+η)(1 − 1/λ̂)ε(λ̂) + (1+η)ln(1/γ)/λ̂ + ln(E[K])/(λ − 1),
+      minimised over λ̂ on the grid, then made monotone in λ.
+    - K ~ Poisson(μ) (``eta=None``), Theorem 6: ε'(λ) = ε(λ) + μ·δ̂ + ln(μ)/(λ − 1) with δ̂
+      the trial's δ at ε̂ = ln(1 + 1/(λ − 1)).
+
+    Evaluated by dp-accounting's implementation of exactly these theorems
+    (``RepeatAndSelectDpEvent``); its event API needs a DpEvent, while our trials are arbitrary
+    RDP curves (DP-SGD plus a private validation score), so the curve-level function is used.
+    """
+    m = checks.at_least("mean", mean, 1.0)
+    shape = _ps_shape(eta)
+    trial_rdp = np.asarray(trial_rdp, dtype=np.float64)
+    return np.asarray(rdp_lib._compute_rdp_repeat_and_select(ORDERS, trial_rdp, m, shape))
+
+
+def ps_epsilon(
+    trial_rdp: np.ndarray,
+    delta: float,
+    mean: float,
+    eta: float | None,
+    max_trials: int | None = None,
+) -> float:
+    """ε at overall δ of a Papernot–Steinke job. A cap on K (the driver never runs more than
+    ``max_trials``) costs P[K > cap] of δ: the job is the uncapped one except on that event."""
+    d = checks.probability("delta", delta)
+    curve = tuning_rdp(trial_rdp, mean, eta)
+    if max_trials is not None:
+        d -= trials_tail(mean, eta, checks.count("max_trials", max_trials))
+        if d <= 0:
+            raise ValueError("max_trials is too small: P[K > max_trials] exceeds delta")
+    return epsilon_from_rdp(curve, d)[0]

@@ -1,0 +1,16 @@
+"""The ``dptune`` command line."""
+
+import typer
+
+from service.cli.account import account
+
+app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def main() -> None:
+    """dptune: tune differentially private training and charge the whole search to a
+    per-dataset privacy budget."""
+
+
+app.command()(account)

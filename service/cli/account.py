@@ -1,0 +1,154 @@
+"""``dptune account``: what does a run or a tuning job cost, and what noise does it need?"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from service import accounting
+
+
+class Method(StrEnum):
+    all = "all"
+    single = "single"
+    rdp = "rdp"
+    lt = "lt"
+    ps = "ps"
+
+
+
+
+def _method_params(method: str, trials: int, gamma: float | None, delta2: float | None,
+                   eta: float | None, delta: float) -> dict[str, Any]:
+    if method == "rdp":
+        return {"trials": trials}
+    if method == "lt":
+        return {"gamma": gamma if gamma is not None else 1 / trials,
+                "delta2": delta2 if delta2 is not None else delta / 10}
+    if method == "ps":
+        return {"mean": float(trials), "eta": eta}
+    return {}
+
+
+def _row(method: str, q: float, steps: int, delta: float, sigma: float | None,
+         target: float | None, histogram_noise: float | None, params: dict[str, Any]
+         ) -> dict[str, Any]:
+    if sigma is None:
+        sigma = accounting.calibrate_noise(q, steps, target, delta, method, **params)
+    trial = accounting.trial_rdp(q, sigma, steps)
+    row: dict[str, Any] = {
+        "method": method, "noise_multiplier": sigma, "sample_rate": q, "steps": steps,
+        "epsilon": accounting.job_epsilon(trial, delta, method, **params), "delta": delta,
+        "params": params,
+    }
+    if histogram_noise is not None:
+        row["gradient_noise"] = accounting.split_noise(sigma, histogram_noise)
+    if method == "lt":
+        bound = accounting.liu_talwar(trial, delta, params["gamma"], params["delta2"])
+        row["max_trials"] = bound.max_trials
+        row["trial_epsilon"], row["trial_delta"] = bound.trial_epsilon, bound.trial_delta
+    return row
+
+
+def _describe(row: dict[str, Any]) -> str:
+    p = row["params"]
+    if row["method"] == "rdp":
+        return f"K = {p['trials']}"
+    if row["method"] == "lt":
+        return (f"γ = {p['gamma']:.3g}, δ₂ = {p['delta2']:.2g}, T = {row['max_trials']}, "
+                f"ε₁ = {row['trial_epsilon']:.4g} at δ₁ = {row['trial_delta']:.2g}")
+    if row["method"] == "ps":
+        dist = "Poisson" if p["eta"] is None else f"TNB η = {p['eta']:g}"
+        return f"E[K] = {p['mean']:g}, {dist}"
+    return ""
+
+
+def _table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="dptune privacy cost")
+    for col in ("method", "σ", "σ_T", "q", "steps", "ε", "δ", "details"):
+        table.add_column(col, justify="left" if col in ("method", "details") else "right")
+    for r in rows:
+        sigma_t = f"{r['gradient_noise']:.4f}" if "gradient_noise" in r else "—"
+        table.add_row(r["method"], f"{r['noise_multiplier']:.4f}", sigma_t,
+                      f"{r['sample_rate']:.4g}", str(r["steps"]), f"{r['epsilon']:.4f}",
+                      f"{r['delta']:.2g}", _describe(r))
+    return table
+
+
+def account(
+    sample_rate: Annotated[float | None, typer.Option("--sample-rate", "-q",
+        help="Poisson sampling rate q = B/N (or give --dataset-size and --batch-size).")] = None,
+    dataset_size: Annotated[int | None, typer.Option(help="N, training examples.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="B, expected batch size.")] = None,
+    steps: Annotated[int | None, typer.Option(help="DP-SGD steps per trial.")] = None,
+    epochs: Annotated[float | None, typer.Option(
+        help="Epochs per trial; steps = ⌈epochs·N/B⌉ (= ⌈epochs/q⌉).")] = None,
+    noise: Annotated[float | None, typer.Option("--noise", "-s",
+        help="Noise multiplier σ: answers 'what does this cost?'.")] = None,
+    target_epsilon: Annotated[float | None, typer.Option("--target-epsilon", "-e",
+        help="Target ε: answers 'what noise do I need?' (σ calibrated per method).")] = None,
+    delta: Annotated[float, typer.Option(help="δ of the run or of the whole job.")] = 1e-5,
+    method: Annotated[Method, typer.Option(
+        help="Accounting method (see above); all: every method side by side.")] = Method.all,
+    trials: Annotated[int, typer.Option(
+        help="rdp: number of trials K; lt: 1/γ unless --gamma; ps: E[K].")] = 10,
+    gamma: Annotated[float | None, typer.Option(help="lt: stop probability γ.")] = None,
+    delta2: Annotated[float | None, typer.Option(help="lt: δ₂ (default δ/10).")] = None,
+    eta: Annotated[float | None, typer.Option(
+        help="ps: shape η of the truncated negative binomial (1 = geometric).")] = 1.0,
+    poisson: Annotated[bool, typer.Option("--poisson", help="ps: K ~ Poisson(E[K]).")] = False,
+    histogram_noise: Annotated[float | None, typer.Option(
+        help="DC-SGD histogram noise σ_H: also show the gradient's σ_T (paper 001 Thm 2).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """What does a DP-SGD run or a tuning job cost (ε at δ), and what noise does it need?
+
+    single: one DP-SGD run (no tuning).
+
+    rdp: K fixed trials (a grid), RDP curves summed; every trial may be released.
+
+    lt: Liu–Talwar random stopping (paper 001, Thm 1): stop w.p. γ after each trial.
+
+    ps: Papernot–Steinke (ICLR 2022): K ~ Poisson or truncated negative binomial; best only.
+    """
+    try:
+        q, n_steps = _resolve_schedule(sample_rate, dataset_size, batch_size, steps, epochs)
+        if (noise is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of --noise or --target-epsilon")
+        methods = ["single", "rdp", "lt", "ps"] if method is Method.all else [method.value]
+        rows = [
+            _row(m, q, n_steps, delta, noise, target_epsilon, histogram_noise,
+                 _method_params(m, trials, gamma, delta2, None if poisson else eta, delta))
+            for m in methods
+        ]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        Console().print(_table(rows))
+
+
+def _resolve_schedule(sample_rate: float | None, dataset_size: int | None,
+                      batch_size: int | None, steps: int | None, epochs: float | None
+                      ) -> tuple[float, int]:
+    if sample_rate is None:
+        if dataset_size is None or batch_size is None:
+            raise ValueError("give --sample-rate, or --dataset-size and --batch-size")
+        if not 0 < batch_size <= dataset_size:
+            raise ValueError("--batch-size must be in [1, --dataset-size]")
+        sample_rate = batch_size / dataset_size
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of --steps or --epochs")
+    if steps is None:
+        if not epochs > 0:
+            raise ValueError("--epochs must be positive")
+        steps = max(1, math.ceil(epochs / sample_rate))
+    return sample_rate, steps

@@ -1,0 +1,122 @@
+"""Configuration of one DP training trial.
+
+This is the contract between the control plane (``service/``, which embeds these models in a
+tuning-job spec and searches over their fields) and the engine (``workers/``, which trains one
+trial from a :class:`TrialConfig`). Every model forbids unknown fields so that a typo is an
+error naming the field, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+ClippingFunction = Literal["abadi", "auto_s", "auto_v"]
+ClippingStyle = Literal["all_layer", "layer_wise", "param_wise", "groups"]
+AdaptiveRule = Literal["dcsgd_p", "dcsgd_e", "andrew", "du"]
+OptimizerName = Literal["sgd", "adam", "adamw", "adambc"]
+ModelName = Literal["logreg", "mlp", "cnn", "resnet18", "resnet34", "lstm", "transformer"]
+PerSamplePath = Literal["fast", "general"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetConfig(Strict):
+    """``source`` is ``builtin:digits``, ``builtin:mnist1d``, ``builtin:heavy_tail`` or
+    ``npz:<path>``; ``options`` are passed to the dataset builder (e.g. ``scale`` for
+    ``heavy_tail``)."""
+
+    source: str = Field(pattern=r"^(builtin:(digits|mnist1d|heavy_tail)|npz:.+)$")
+    options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
+class ModelConfig(Strict):
+    name: ModelName
+    options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
+class AdaptiveConfig(Strict):
+    """Adaptive clipping threshold rules (paper 001, Algorithms 1–4, and its baselines).
+
+    Defaults are the paper's: C₀ = 1 (``MethodConfig.threshold``), σ_H = 5, b = 20 bins,
+    R₀ = 1 for DC-SGD-P and R₀ = b for DC-SGD-E.
+    """
+
+    rule: AdaptiveRule
+    histogram_noise: PositiveFloat = 5.0  # σ_H of the noisy norm histogram (DC-SGD)
+    bins: PositiveInt = 20  # b
+    initial_range: PositiveFloat | None = None  # R₀; None picks the rule's default
+    percentile: float = Field(0.5, gt=0, lt=1)  # p of DC-SGD-P and of Andrew et al.
+    learning_rate: PositiveFloat = 0.2  # η_C of Andrew et al.'s geometric update
+    count_noise: PositiveFloat | None = None  # σ_b of Andrew et al.'s unclipped count; None: B/20
+    decay: float = Field(0.5, gt=0, le=1)  # ρ_C of Du et al.: C_t = C₀ ρ_C^(t/T)
+
+
+class MethodConfig(Strict):
+    clipping: ClippingFunction = "abadi"
+    gamma: PositiveFloat = 0.01  # stability constant of AUTO-S (paper 003)
+    style: ClippingStyle = "all_layer"
+    groups: list[list[str]] | None = None  # parameter-name prefixes, style == "groups" only
+    threshold: PositiveFloat = 1.0  # R (or C₀ for adaptive rules)
+    adaptive: AdaptiveConfig | None = None
+    per_sample: PerSamplePath = "fast"
+
+    @model_validator(mode="after")
+    def _groups_match_style(self) -> Self:
+        if (self.style == "groups") != (self.groups is not None):
+            raise ValueError("groups: required exactly when style is 'groups'")
+        if self.groups is not None and (not self.groups or any(not g for g in self.groups)):
+            raise ValueError("groups: every group needs at least one parameter prefix")
+        return self
+
+
+class OptimizerConfig(Strict):
+    name: OptimizerName = "sgd"
+    lr: PositiveFloat = 0.1
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    gamma_prime: PositiveFloat = 1e-8  # γ′ floor of DP-AdamBC (paper 004, Algorithm 2)
+
+
+class ValidationConfig(Strict):
+    """Where the selection score comes from (DESIGN.md invariant 5): a public split, or the
+    private one released through a Gaussian mechanism with noise multiplier ``noise``."""
+
+    split: Literal["public", "private"] = "public"
+    noise: PositiveFloat | None = None
+    fraction: float = Field(0.1, gt=0, lt=1)  # share of the private data held out if "private"
+
+    @model_validator(mode="after")
+    def _private_needs_noise(self) -> Self:
+        if self.split == "private" and self.noise is None:
+            raise ValueError("validation.noise: required when validation.split is 'private'")
+        return self
+
+
+class TrialConfig(Strict):
+    dataset: DatasetConfig
+    model: ModelConfig
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    epochs: PositiveFloat = 1.0
+    batch_size: PositiveInt = 64  # expected logical batch size B; q = B / N
+    physical_batch_size: PositiveInt = 256
+    noise_multiplier: PositiveFloat | None = None  # σ; or calibrate from target_epsilon
+    target_epsilon: PositiveFloat | None = None
+    delta: float = Field(1e-5, gt=0, lt=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _noise_or_target(self) -> Self:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                "noise_multiplier: give exactly one of noise_multiplier or target_epsilon"
+            )
+        return self
