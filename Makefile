@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dptune account --dataset-size 1797 --batch-size 64 --epochs 20 --target-epsilon 3 --trials 10
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service workers tests bench
+	$(VENV)/bin/ruff check .
 
 test: lint
 	$(VENV)/bin/pytest -q
