@@ -14,6 +14,7 @@ always an upper bound, so the ε we charge is never below the truth.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -24,6 +25,18 @@ from service.accounting import checks
 
 ORDERS: np.ndarray = np.array(rdp_lib.DEFAULT_RDP_ORDERS, dtype=np.float64)
 ORDERS.setflags(write=False)
+
+
+class _QuietNonConvergence(logging.Filter):
+    """dp-accounting logs a warning whenever its fractional-order series does not converge
+    within 1000 terms; it then sets that order's RDP to +inf, which only drops the order (a
+    safe outcome). Trials log thousands of such lines, so they are filtered out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_QuietNonConvergence())
 
 
 def _accountant_curve(event: dp_event.DpEvent) -> np.ndarray:

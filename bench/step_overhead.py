@@ -1,0 +1,306 @@
+"""Step time and peak memory of DP training steps, as ratios to the non-private step.
+
+    python bench/step_overhead.py            # full table (5 models x batches 64, 256)
+    python bench/step_overhead.py --quick    # a subset, under a minute on 2 CPU cores
+    python bench/step_overhead.py --json out.json
+
+Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
+clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``opacus_hooks`` and
+``opacus_ghost`` (Opacus 1.6 ``grad_sample_mode="hooks"`` / ``"ghost"``, an optional benchmark
+dependency). Every DP column clips (Abadi, R = 1, all-layer unless ``--style``), adds Gaussian
+noise once and takes an SGD step.
+
+Each (model, batch, column) runs in a fresh subprocess, so peak memory is not polluted by other
+runs. Peak memory = the largest memory in use during the first step, counting the model, its
+optimizer, the batch and every transient: on CUDA ``torch.cuda.max_memory_allocated``; on CPU
+the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before the
+model is built) minus the resident set after the imports, with glibc told (``mallopt``) to
+``mmap`` every block over 64 KiB during that step, so freed tensors leave the resident set at
+once. The timed steps then run with glibc's usual heap reuse: after a warm-up of ``--seconds``/2,
+step time is the median of at least ``--steps`` steps, more until ``--seconds`` have passed
+(the median shrugs off the stalls of a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ["nonprivate", "general", "fast", "opacus_hooks", "opacus_ghost"]
+# name: (input shape, classes, model options)
+MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
+    "mlp": ((3, 32, 32), 10, {}),
+    "cnn": ((3, 32, 32), 10, {}),
+    "resnet18": ((3, 32, 32), 10, {}),
+    "transformer": ((16, 128), 10, {}),  # sequences of 128 steps of 16 features
+    "logreg": ((9216,), 255, {}),  # paper 004's synthetic problem
+}
+# Columns that hold every per-sample gradient at once (B x #params floats).
+MATERIALIZING = {"general", "opacus_hooks"}
+
+
+@dataclass
+class Result:
+    model: str
+    batch: int
+    method: str
+    status: str  # "ok", or why there is no number
+    time_s: float | None = None
+    peak_mb: float | None = None
+
+
+# ------------------------------------------------------------------ one run (in a subprocess)
+def _proc_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _mmap_threshold(size: int) -> None:
+    """glibc ``mallopt``: blocks ≥ ``size`` bytes are ``mmap``ed (and unmapped when freed)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-1, size)  # M_TRIM_THRESHOLD: give freed heap tops back beyond this size
+    libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
+
+
+def _build_step(model_name: str, batch: int, method: str, device: str, style: str):
+    import torch
+    from torch import nn
+
+    from workers.config import ModelConfig
+    from workers.dp.clipping import coefficient_fn, resolve_groups
+    from workers.models import build_model
+
+    shape, classes, options = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name=model_name, options=options), shape, classes).to(device)
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, classes, (batch,), device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    if method == "nonprivate":
+        loss_fn = nn.CrossEntropyLoss()
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+
+        return step
+    if method.startswith("opacus"):
+        return _opacus_step(model, optimizer, x, y, method.removeprefix("opacus_"))
+
+    if method == "fast":
+        from workers.dp.ghost import clipped_grad_sum
+    else:
+        from workers.dp.grads import clipped_grad_sum
+    per_sample_loss = nn.CrossEntropyLoss(reduction="none")
+    groups = resolve_groups(model, style)
+    coef_fn = coefficient_fn("abadi", 1.0, len(groups))
+    params = dict(model.named_parameters())
+
+    def step() -> None:
+        _, sums = clipped_grad_sum(model, per_sample_loss, x, y, groups, coef_fn)
+        for name, total in sums.items():
+            params[name].grad = (total + torch.randn_like(total)) / batch  # σ = R = 1
+        optimizer.step()
+
+    return step
+
+
+def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
+    import warnings
+
+    import torch
+    from opacus import PrivacyEngine
+    from opacus.validators import ModuleValidator
+    from torch import nn
+
+    warnings.filterwarnings("ignore")
+    model = ModuleValidator.fix(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                         batch_size=len(x))
+    engine = PrivacyEngine(accountant="rdp")
+    made = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode,
+    )
+    if mode == "ghost":
+        dp_model, dp_optimizer, criterion, _ = made
+    else:
+        (dp_model, dp_optimizer, _), criterion = made, nn.CrossEntropyLoss()
+
+    def step() -> None:
+        dp_optimizer.zero_grad(set_to_none=True)
+        criterion(dp_model(x), y).backward()
+        dp_optimizer.step()
+
+    return step
+
+
+def run_one(model_name: str, batch: int, method: str, device: str, steps: int, seconds: float,
+            style: str, threads: int | None) -> Result:
+    """Measure one column in this process (meant to be a fresh subprocess)."""
+    import torch
+
+    cuda = device == "cuda"
+    if threads:
+        torch.set_num_threads(threads)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        _mmap_threshold(1 << 16)
+    baseline_kb = _proc_kb("VmRSS")
+    if not cuda:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    step = _build_step(model_name, batch, method, device, style)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
+    sync()
+    peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if cuda
+               else (_proc_kb("VmHWM") - baseline_kb) / 1024)
+    if not cuda:
+        _mmap_threshold(1 << 25)  # glibc's largest threshold: tensors reuse the heap
+
+    def timed(least: int, budget: float) -> list[float]:
+        times: list[float] = []
+        while len(times) < least or (sum(times) < budget and len(times) < 100):
+            start = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - start)
+        return times
+
+    timed(1, seconds / 2)  # warm-up: fresh pages and kernel caches are slow at first
+    times = timed(steps, seconds)
+    return Result(model_name, batch, method, "ok", statistics.median(times), peak_mb)
+
+
+# ------------------------------------------------------------------ driver
+def _param_count(model_name: str) -> int:
+    import torch
+
+    from workers.config import ModelConfig
+    from workers.models import build_model
+
+    shape, classes, options = MODELS[model_name]
+    with torch.device("meta"):
+        model = build_model(ModelConfig(name=model_name, options=options), shape, classes)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _spawn(model_name: str, batch: int, method: str, args: argparse.Namespace) -> Result:
+    cmd = [sys.executable, __file__, "--one", model_name, str(batch), method,
+           "--device", args.device, "--steps", str(args.steps), "--seconds", str(args.seconds),
+           "--style", args.style, *(["--threads", str(args.threads)] if args.threads else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return Result(model_name, batch, method, f"timeout > {args.timeout} s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return Result(model_name, batch, method, f"error: {last[:120]}")
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}x" if value is not None and base else "-"
+
+
+def table(results: list[Result], methods: list[str]) -> str:
+    """Markdown table: non-private absolute numbers, every other column as ratios."""
+    header = ["model", "B", "non-private s / MB"] + [f"{m} time / mem" for m in methods[1:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    keys = list(dict.fromkeys((r.model, r.batch) for r in results))
+    notes = []
+    for model_name, batch in keys:
+        row = {r.method: r for r in results if (r.model, r.batch) == (model_name, batch)}
+        base = row.get("nonprivate")
+        cells = [model_name, str(batch)]
+        cells.append(f"{base.time_s:.3f} / {base.peak_mb:.0f}" if base and base.time_s else "-")
+        for method in methods[1:]:
+            r = row.get(method)
+            if r is None or r.status != "ok":
+                cells.append("n/a")
+                if r is not None:
+                    notes.append(f"{model_name} B={batch} {method}: {r.status}")
+                continue
+            cells.append(f"{_ratio(r.time_s, base and base.time_s)} / "
+                         f"{_ratio(r.peak_mb, base and base.peak_mb)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else []))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="mlp and logreg at B=64 only")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--style", default="all_layer",
+                        choices=["all_layer", "layer_wise", "param_wise"])
+    parser.add_argument("--steps", type=int, default=3, help="least timed steps per column")
+    parser.add_argument("--seconds", type=float, help="time steps until this long (default 3; "
+                        "quick 0.5)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own); "
+                        "1 is steadier on a shared machine, where waiting threads stall steps")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per column")
+    parser.add_argument("--max-gb", type=float, default=8.0,
+                        help="skip columns holding all per-sample gradients above this size")
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "BATCH", "METHOD"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 3.0)
+    if args.one:
+        model_name, batch, method = args.one
+        result = run_one(model_name, int(batch), method, args.device, args.steps, args.seconds,
+                         args.style, args.threads)
+        print(json.dumps(asdict(result)))
+        return
+
+    models = args.models or (["mlp", "logreg"] if args.quick else list(MODELS))
+    batches = args.batches or ([64] if args.quick else [64, 256])
+    methods = ["nonprivate", *[m for m in args.methods if m != "nonprivate"]]
+    results = []
+    for model_name in models:
+        params = _param_count(model_name)
+        for batch in batches:
+            for method in methods:
+                need_gb = batch * params * 4 / 2**30
+                if method in MATERIALIZING and need_gb > args.max_gb:
+                    result = Result(model_name, batch, method,
+                                    f"skipped: per-sample gradients need {need_gb:.1f} GB")
+                else:
+                    result = _spawn(model_name, batch, method, args)
+                print(f"{model_name:12s} B={batch:<4d} {method:13s} {result.status:6.6s} "
+                      f"time={result.time_s} peak_mb={result.peak_mb}", file=sys.stderr)
+                results.append(result)
+    print(f"device: {args.device}; threads: {args.threads or 'default'}; style: {args.style}; "
+          f"time = median of >= {args.steps} steps after warm-up\n")
+    print(table(results, methods))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

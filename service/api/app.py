@@ -1,0 +1,64 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from sqlalchemy.orm import sessionmaker
+
+from service import jobs
+from service.api import datasets, errors, keys, plans
+from service.api import jobs as jobs_api
+from service.api.limits import BodyLimit
+from service.auth import bootstrap_operator
+from service.db import create_db_engine, upgrade
+from service.orchestrator import NullOrchestrator, Orchestrator
+from service.settings import Settings
+
+
+def create_app(
+    settings: Settings | None = None, orchestrator: Orchestrator | None = None
+) -> FastAPI:
+    """Build the API. Without an ``orchestrator`` jobs are admitted and charged but never run
+    (:class:`~service.orchestrator.NullOrchestrator`)."""
+    settings = settings or Settings()
+    orchestrator = orchestrator or NullOrchestrator()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.data_path.mkdir(parents=True, exist_ok=True)
+        engine = create_db_engine(settings.sqlalchemy_url)
+        upgrade(engine)
+        sessions = sessionmaker(engine, expire_on_commit=False)
+        with sessions() as session:
+            configured = settings.operator_key
+            secret = bootstrap_operator(
+                session, configured.get_secret_value() if configured else None
+            )
+            jobs.reconcile(session, orchestrator)
+        if secret is not None:
+            print(f"dptune: created the operator key (shown once): {secret}", flush=True)
+        app.state.settings = settings
+        app.state.sessions = sessions
+        app.state.orchestrator = orchestrator
+        yield
+        engine.dispose()
+
+    app = FastAPI(
+        title="dptune",
+        summary="Differentially private hyperparameter tuning with a per-dataset privacy budget",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    errors.install(app)
+    for router in (keys.router, datasets.router, plans.router, jobs_api.router):
+        app.include_router(router)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

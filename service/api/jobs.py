@@ -1,0 +1,183 @@
+"""Tuning jobs: admission, state, trials (filtered by DESIGN.md invariant 4), cancel, model."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+from sqlalchemy import select
+
+from service import jobs
+from service.api.deps import (
+    Caller,
+    OrchestratorDep,
+    SessionDep,
+    SettingsDep,
+    visible_dataset,
+    visible_job,
+)
+from service.api.errors import field_error
+from service.auth import Principal
+from service.db import Job, Trial
+from service.planning import plan_job
+from service.spec import JobSpec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+class JobOut(BaseModel):
+    id: int
+    dataset: int
+    status: str
+    accounting: str
+    plan: dict[str, Any]
+    spec: dict[str, Any]
+    released: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None = None  # operator only: may quote private data
+
+
+class TrialOut(BaseModel):
+    """Fields that are ``null`` are withheld from analysts (not DP outputs)."""
+
+    index: int | None
+    params: dict[str, Any]
+    score: float | None
+    metrics: list[dict[str, Any]]
+    released: bool
+    status: str | None = None
+    steps: int | None = None
+    attempts: list[dict[str, Any]] | None = None
+
+
+def job_out(job: Job, caller: Principal) -> JobOut:
+    return JobOut(
+        id=job.id, dataset=job.dataset_id, status=job.status, accounting=job.accounting,
+        plan=job.plan, spec=job.spec, released=job.artifact is not None,
+        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+        error=job.error if caller.is_operator else None,
+    )
+
+
+def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
+    """Invariant 4. Operators see everything. Analysts see DP outputs only — parameters, the
+    DP selection score, metrics marked public — and under random stopping (lt, ps) only the
+    released trial, without its index (the number of trials run is not a DP output)."""
+    released = job.artifact.trial_id if job.artifact else None
+    if caller.is_operator:
+        return [
+            TrialOut(
+                index=t.index, params=t.params, score=t.score, metrics=t.metrics,
+                released=t.id == released, status=t.status, steps=t.steps,
+                attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
+                           "started_at": a.started_at.isoformat(),
+                           "ended_at": a.ended_at.isoformat() if a.ended_at else None}
+                          for a in t.attempts],
+            )
+            for t in job.trials
+        ]
+    shown: list[Trial] = job.trials if job.accounting == "rdp" else [
+        t for t in job.trials if t.id == released
+    ]
+    return [
+        TrialOut(
+            index=t.index if job.accounting == "rdp" else None, params=t.params, score=t.score,
+            metrics=[m for m in t.metrics if m.get("public") is True], released=t.id == released,
+        )
+        for t in shown
+    ]
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED)
+def submit(
+    spec: JobSpec,
+    session: SessionDep,
+    caller: Caller,
+    orchestrator: OrchestratorDep,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
+) -> JobOut:
+    """Plan the job and reserve its full cost in one transaction (409 when it does not fit;
+    nothing is reserved). A repeated ``Idempotency-Key`` returns the first job."""
+    dataset = visible_dataset(session, caller, spec.dataset)
+    planned = plan_job(spec, dataset)
+    try:
+        job, new = jobs.admit(session, caller, spec, planned, idempotency_key)
+    except jobs.BudgetExceeded as error:
+        raise field_error(error.field, str(error), status.HTTP_409_CONFLICT) from None
+    except jobs.IdempotencyConflict as error:
+        raise field_error("Idempotency-Key", str(error), status.HTTP_409_CONFLICT) from None
+    if new:
+        jobs.submit(session, orchestrator, job, dataset)
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    return job_out(job, caller)
+
+
+@router.get("")
+def list_jobs(
+    session: SessionDep,
+    caller: Caller,
+    dataset: int | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[JobOut]:
+    query = select(Job).order_by(Job.id.desc())
+    if not caller.is_operator:
+        query = query.where(Job.owner_key_id == caller.key_id,
+                            Job.dataset_id.in_(caller.dataset_ids))
+    if dataset is not None:
+        query = query.where(Job.dataset_id == dataset)
+    return [job_out(j, caller) for j in session.execute(query.limit(limit).offset(offset))
+            .scalars()]
+
+
+@router.get("/{job_id}")
+def get_job(
+    job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
+) -> JobOut:
+    job = visible_job(session, caller, job_id)
+    jobs.refresh(session, orchestrator, job)
+    return job_out(session.get(Job, job_id), caller)
+
+
+@router.get("/{job_id}/trials")
+def get_trials(job_id: int, session: SessionDep, caller: Caller) -> list[TrialOut]:
+    return visible_trials(visible_job(session, caller, job_id), caller)
+
+
+@router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
+def cancel(
+    job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
+) -> JobOut:
+    """Ask the job to stop. Privacy already consumed is not refunded (invariant 3); the
+    reservation of what never ran is released once the job has stopped."""
+    job = visible_job(session, caller, job_id)
+    orchestrator.cancel(job.id)
+    jobs.refresh(session, orchestrator, job)
+    return job_out(session.get(Job, job_id), caller)
+
+
+@router.get(
+    "/{job_id}/model",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+def get_model(job_id: int, session: SessionDep, caller: Caller, settings: SettingsDep) -> Any:
+    """The released weights as safetensors; the trial config is in the file's metadata
+    (``config``). 409 until a model is released."""
+    job = visible_job(session, caller, job_id)
+    if job.artifact is None:
+        raise field_error("job", f"job {job_id} has no released model (status {job.status})",
+                          status.HTTP_409_CONFLICT)
+    path = (settings.data_path / job.artifact.path).resolve()
+    if not path.is_relative_to(settings.data_path):
+        raise RuntimeError(f"artifact path {job.artifact.path!r} escapes DATA_DIR")
+    return FileResponse(path, media_type="application/octet-stream",
+                        filename=f"job-{job_id}.safetensors",
+                        headers={"X-Dptune-Sha256": job.artifact.sha256})

@@ -1,0 +1,7 @@
+"""Ray: the local head the service starts by default, and the orchestrator that runs each
+admitted tuning job as a Ray job."""
+
+from service.cluster.head import RayConnection, connect
+from service.cluster.orchestrator import RayOrchestrator
+
+__all__ = ["RayConnection", "RayOrchestrator", "connect"]

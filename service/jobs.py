@@ -1,0 +1,152 @@
+"""A job's life in the control plane: admission (plan + reservation in one locked
+transaction), state changes reported by the orchestrator, and settlement of its ledger."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service import ledger
+from service.auth import Principal
+from service.db import Dataset, Job, locked_dataset
+from service.orchestrator import JobState, Orchestrator, Submission
+from service.planning import PlannedJob
+from service.spec import JobSpec
+
+
+class BudgetExceeded(Exception):
+    """The job does not fit; ``field`` is the spec field to change."""
+
+    def __init__(self, budget: ledger.Budget, job_epsilon: float) -> None:
+        if math.isinf(budget.committed):
+            self.field = "privacy.delta"
+            message = (
+                f"the job does not fit: the δs charged by basic composition (Liu–Talwar jobs, "
+                f"caps on K) would use up the dataset's δ {budget.delta:g}; ask for a smaller δ"
+            )
+        else:
+            self.field = "privacy.epsilon"
+            message = (
+                f"the job (ε = {job_epsilon:.4g}) does not fit: the dataset's committed ε would "
+                f"be {budget.committed:.4g}, over its budget {budget.epsilon:.4g} by "
+                f"{budget.committed - budget.epsilon:.4g}"
+            )
+        super().__init__(message)
+
+
+class IdempotencyConflict(Exception):
+    pass
+
+
+def request_sha256(spec: JobSpec) -> str:
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+def admit(
+    session: Session,
+    principal: Principal,
+    spec: JobSpec,
+    planned: PlannedJob,
+    idempotency_key: str | None,
+) -> tuple[Job, bool]:
+    """Reserve the job's full planned cost and create it, in one transaction holding the
+    dataset's budget lock (DESIGN.md invariant 2). Returns the job and whether it is new: a
+    request repeating an earlier ``idempotency_key`` of the same caller gets that job back and
+    reserves nothing. Raises :class:`BudgetExceeded` (nothing reserved) when it does not fit.
+    """
+    digest = request_sha256(spec)
+    try:
+        dataset = locked_dataset(session, spec.dataset)
+        assert dataset is not None  # checked by the caller; datasets are never deleted
+        if idempotency_key is not None:
+            earlier = session.execute(
+                select(Job).where(
+                    Job.owner_key_id == principal.key_id, Job.idempotency_key == idempotency_key
+                )
+            ).scalar_one_or_none()
+            if earlier is not None:
+                if earlier.request_sha256 != digest:
+                    raise IdempotencyConflict(
+                        "Idempotency-Key was already used for a different job spec"
+                    )
+                session.commit()
+                return earlier, False
+        vec = ledger.amount(planned.reservation)
+        after = ledger.budget(session, dataset, plus=vec)
+        if after.committed > dataset.epsilon:
+            raise BudgetExceeded(after, planned.plan.epsilon)
+        job = Job(
+            dataset_id=dataset.id,
+            owner_key_id=principal.key_id,
+            idempotency_key=idempotency_key,
+            request_sha256=digest,
+            spec=spec.model_dump(mode="json"),
+            plan=planned.plan.model_dump(mode="json"),
+            accounting=spec.privacy.accounting,
+            status=JobState.QUEUED,
+        )
+        session.add(job)
+        session.flush()
+        ledger.append(session, job, "reservation", f"job:{job.id}:reservation", vec,
+                      f"{spec.privacy.accounting} job, planned ε = {planned.plan.epsilon:.4g}")
+        session.commit()
+        return job, True
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def submit(session: Session, orchestrator: Orchestrator, job: Job, dataset: Dataset) -> None:
+    """Hand an admitted job to the orchestrator; a job that cannot be submitted fails (and,
+    never having started, gets its reservation back)."""
+    submission = Submission(job.id, job.spec, job.plan, dataset.source, dataset.options)
+    try:
+        orchestrator.submit(submission)
+    except Exception as error:
+        apply_state(session, job.id, JobState.FAILED, f"submission failed: {error}")
+
+
+def refresh(session: Session, orchestrator: Orchestrator, job: Job) -> None:
+    """Ask the orchestrator about an active job and record what it says (taking the budget
+    lock only when the state changed)."""
+    if not JobState(job.status).terminal:
+        state = orchestrator.status(job.id)
+        if state != job.status:
+            apply_state(session, job.id, state)
+
+
+def reconcile(session: Session, orchestrator: Orchestrator) -> None:
+    """At start-up: bring every job the database believes active in line with the
+    orchestrator, settling those that ended while the service was down."""
+    active = [JobState.QUEUED.value, JobState.RUNNING.value]
+    ids = list(session.execute(select(Job.id).where(Job.status.in_(active))).scalars())
+    for job_id, state in orchestrator.reconcile(ids).items():
+        apply_state(session, job_id, state)
+
+
+def apply_state(session: Session, job_id: int, state: JobState, error: str | None = None) -> None:
+    """Record a state reported by the orchestrator; when the job has ended, settle its
+    ledger (:func:`service.ledger.settle`) in the same locked transaction."""
+    dataset_id = session.get(Job, job_id).dataset_id
+    try:
+        locked_dataset(session, dataset_id)
+        job = session.get(Job, job_id, populate_existing=True)
+        if JobState(job.status).terminal or job.status == state or state == JobState.QUEUED:
+            session.commit()  # states only move forward: queued → running → ended
+            return
+        now = datetime.now(UTC)
+        if state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
+            job.started_at = now
+        job.status = state
+        job.error = error or job.error
+        if state.terminal:
+            job.finished_at = now
+            ledger.settle(session, job)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise

@@ -1,0 +1,76 @@
+"""Where admitted jobs run. The control plane talks to an :class:`Orchestrator`; the Ray
+implementation (Ray Jobs + Tune) plugs in here.
+
+The default, :class:`NullOrchestrator`, runs nothing: admitted jobs stay ``queued`` until
+cancelled. It exists so that the API, the budget and the tests work without a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a job runner needs: the admitted spec and plan (σ, steps, trial counts), the
+    dataset's source and the paths to use. Trials record themselves through
+    :mod:`service.trials` (attempts must be recorded before they read data)."""
+
+    job_id: int
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    dataset_source: str
+    dataset_options: dict[str, Any]
+
+
+class Orchestrator(Protocol):
+    """Runs admitted jobs. Contract: a job's code reads the dataset only inside trial attempts
+    recorded beforehand with :func:`service.trials.start_attempt` (which refuses attempts the
+    reservation does not cover); the ledger charges exactly those attempts (invariant 3)."""
+
+    def submit(self, submission: Submission) -> None:
+        """Start the job (asynchronously). Called after its reservation is committed."""
+
+    def status(self, job_id: int) -> JobState:
+        """Current state of a submitted job."""
+
+    def cancel(self, job_id: int) -> None:
+        """Ask the job to stop; :meth:`status` reports when it has."""
+
+    def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
+        """After a restart: the state of every job the database believes is queued or running
+        (jobs the orchestrator does not know about are reported ``failed``)."""
+
+
+@dataclass
+class NullOrchestrator:
+    """Accepts jobs and never runs them (no trial touches data): they stay ``queued`` until
+    cancelled. The default until a real orchestrator is configured."""
+
+    cancelled: set[int] = field(default_factory=set)
+
+    def submit(self, submission: Submission) -> None:
+        pass
+
+    def status(self, job_id: int) -> JobState:
+        return JobState.CANCELLED if job_id in self.cancelled else JobState.QUEUED
+
+    def cancel(self, job_id: int) -> None:
+        self.cancelled.add(job_id)
+
+    def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
+        return {job_id: self.status(job_id) for job_id in job_ids}

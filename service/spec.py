@@ -1,0 +1,276 @@
+"""The tuning-job spec an analyst POSTs (pydantic, strict: unknown fields are errors).
+
+It embeds the trial-config parts of ``workers/config.py`` (the dataset is replaced by the id of
+a registered dataset) plus the search space, the privacy target, the selection metric and the
+resources of a trial. Sizes are bounded so that a request cannot exhaust the machine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PositiveFloat,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+from workers.config import (
+    DatasetConfig,
+    MethodConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrialConfig,
+    ValidationConfig,
+)
+
+MAX_TRIALS = 1000  # trials of one job (grid size × samples, or a cap on a random K)
+MAX_VALUES = 100  # values listed for one hyperparameter
+MAX_DIMENSIONS = 8
+
+#: what a search space may vary, and the spec part each path lives in. Batch size, epochs and
+#: the noise are fixed per job: every trial must share (q, σ, steps) so that one RDP curve
+#: describes them all.
+SEARCHABLE = {
+    "optimizer.lr": OptimizerConfig,
+    "optimizer.momentum": OptimizerConfig,
+    "optimizer.weight_decay": OptimizerConfig,
+    "optimizer.name": OptimizerConfig,
+    "method.threshold": MethodConfig,
+    "method.clipping": MethodConfig,
+    "method.gamma": MethodConfig,
+}
+
+def _scalar(value: Any) -> bool | int | float | str:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    if isinstance(value, bool | int | float | str):
+        return value
+    raise ValueError("must be a number, a string or a boolean")
+
+
+Scalar = Annotated[Any, AfterValidator(_scalar)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class Grid(Strict):
+    """Every value is tried (grid search: the grids' product is the set of candidates)."""
+
+    grid: list[Scalar] = Field(min_length=1, max_length=MAX_VALUES)
+
+
+class Choice(Strict):
+    """Each trial draws one value uniformly at random."""
+
+    values: list[Scalar] = Field(min_length=1, max_length=MAX_VALUES)
+
+
+class LogUniform(Strict):
+    """Each trial draws exp(U(ln low, ln high))."""
+
+    log_uniform: tuple[PositiveFloat, PositiveFloat]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        low, high = self.log_uniform
+        if not low < high:
+            raise ValueError(f"log_uniform: low ({low}) must be below high ({high})")
+        return self
+
+
+def _dimension_kind(value: Any) -> str | None:
+    """Which kind of dimension a value is, by its key. (The tags are not plain names so that
+    error locations leave them out: ``search_space.optimizer.lr.grid.0``.)"""
+    keys = ("grid", "values", "log_uniform")
+    if isinstance(value, dict):
+        return next((f"<{k}>" for k in keys if k in value), None)
+    return next((f"<{k}>" for k in keys if hasattr(value, k)), None)
+
+
+Dimension = Annotated[
+    Annotated[Grid, Tag("<grid>")] | Annotated[Choice, Tag("<values>")]
+    | Annotated[LogUniform, Tag("<log_uniform>")],
+    Discriminator(
+        _dimension_kind,
+        custom_error_type="dimension",
+        custom_error_message="give one of {'grid': [...]}, {'values': [...]} or "
+        "{'log_uniform': [low, high]}",
+    ),
+]
+
+
+class Privacy(Strict):
+    """The job's privacy target and how its trials are charged.
+
+    - ``rdp``: a fixed number K of trials composed in RDP; K = (grid size) × ``trials``
+      (``trials`` random draws per grid point, default 1; required when some dimension is
+      random). ``max_retries`` re-runs of a failed trial are reserved and charged if used.
+    - ``lt``: Liu–Talwar random stopping: stop after each trial with probability ``gamma``
+      (or give ``expected_trials`` = 1/γ); ``delta2`` (default δ/2) sets the cap on trials.
+    - ``ps``: Papernot–Steinke: K ~ truncated negative binomial with ``mean`` and ``eta``
+      (η = 1 geometric, η = 0 logarithmic) or ``eta: "poisson"``; ``max_trials`` caps K
+      (default: the smallest cap whose tail probability is below δ/100).
+    """
+
+    epsilon: float = Field(gt=0, le=100)
+    delta: float | None = Field(None, gt=0, lt=1)  # default: the dataset's δ
+    accounting: Literal["rdp", "lt", "ps"]
+    trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
+    max_retries: int = Field(0, ge=0, le=3)
+    gamma: float | None = Field(None, gt=0, le=1)
+    expected_trials: float | None = Field(None, ge=1, le=MAX_TRIALS)
+    delta2: float | None = Field(None, gt=0, lt=1)
+    mean: float | None = Field(None, ge=1, le=MAX_TRIALS)
+    eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = None
+    max_trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> Self:
+        allowed = {
+            "rdp": {"trials", "max_retries"},
+            "lt": {"gamma", "expected_trials", "delta2"},
+            "ps": {"mean", "eta", "max_trials"},
+        }[self.accounting]
+        method_fields = {"trials", "max_retries", "gamma", "expected_trials", "delta2", "mean",
+                         "eta", "max_trials"}
+        for name in sorted((self.model_fields_set & method_fields) - allowed):
+            raise ValueError(f"privacy.{name}: not a parameter of accounting {self.accounting!r}")
+        if self.accounting == "lt" and (self.gamma is None) == (self.expected_trials is None):
+            raise ValueError("privacy.gamma: lt needs exactly one of gamma or expected_trials")
+        if self.accounting == "ps" and (self.mean is None or self.eta is None):
+            raise ValueError("privacy.mean: ps needs mean and eta (a number, or 'poisson')")
+        return self
+
+
+class Selection(Strict):
+    metric: str = Field("val_accuracy", pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    mode: Literal["max", "min"] = "max"
+
+
+class Resources(Strict):
+    """Per trial; passed to Ray (``tune.with_resources``)."""
+
+    cpu: float = Field(1.0, gt=0, le=64)
+    gpu: float = Field(0.0, ge=0, le=8)
+
+
+class JobSpec(Strict):
+    dataset: int = Field(ge=1)
+    model: ModelConfig
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    epochs: float = Field(1.0, gt=0, le=1000)
+    batch_size: int = Field(64, ge=1, le=1_000_000)  # expected logical batch size B
+    physical_batch_size: int = Field(256, ge=1, le=1_000_000)
+    search_space: dict[str, Dimension] = Field(default_factory=dict, max_length=MAX_DIMENSIONS)
+    privacy: Privacy
+    selection: Selection = Field(default_factory=Selection)
+    resources: Resources = Field(default_factory=Resources)
+    seed: int = Field(0, ge=0, lt=2**32)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        """Refuse NaN and ±inf anywhere, including inside the embedded worker configs."""
+        _check_finite(data, "")
+        return data
+
+    @model_validator(mode="after")
+    def _search_space(self) -> Self:
+        for path, dim in self.search_space.items():
+            _check_dimension(self, path, dim)
+        random = [p for p, d in self.search_space.items() if not isinstance(d, Grid)]
+        privacy = self.privacy
+        if privacy.accounting == "rdp":
+            if random and privacy.trials is None:
+                raise ValueError(
+                    f"privacy.trials: required with random dimension {random[0]!r} "
+                    "(the number of random draws)"
+                )
+        elif len(random) < len(self.search_space):
+            grid = next(p for p, d in self.search_space.items() if isinstance(d, Grid))
+            raise ValueError(
+                f"search_space.{grid}: grid search is not allowed under {privacy.accounting!r}: "
+                "random-stopping trials are drawn at random from a fixed prior (DESIGN.md "
+                "invariant 6); use 'values' or 'log_uniform'"
+            )
+        if self.trial_count() > MAX_TRIALS:
+            raise ValueError(f"search_space: {self.trial_count()} trials exceed {MAX_TRIALS}")
+        return self
+
+    def trial_config(
+        self,
+        dataset: DatasetConfig,
+        noise_multiplier: float,
+        delta: float,
+        params: dict[str, Scalar],
+        seed: int,
+    ) -> TrialConfig:
+        """One trial's configuration: the spec's parts with a candidate's hyperparameters
+        (search-space path → value) applied, and the job's *planned* σ — a trial never
+        calibrates its own noise, so it costs exactly what was reserved."""
+        parts = {name: getattr(self, name).model_dump() for name in ("method", "optimizer")}
+        for path, value in params.items():
+            if path not in self.search_space:
+                raise ValueError(f"{path}: not a dimension of the job's search space")
+            part, name = path.split(".")
+            parts[part][name] = value
+        return TrialConfig(
+            dataset=dataset, model=self.model, validation=self.validation, epochs=self.epochs,
+            batch_size=self.batch_size, physical_batch_size=self.physical_batch_size,
+            noise_multiplier=noise_multiplier, delta=delta, seed=seed, **parts,
+        )
+
+    def grid_size(self) -> int:
+        return math.prod(len(d.grid) for d in self.search_space.values() if isinstance(d, Grid))
+
+    def trial_count(self) -> int:
+        """K under ``rdp`` (fixed); under ``lt``/``ps`` K is random and this returns 1."""
+        if self.privacy.accounting != "rdp":
+            return 1
+        return self.grid_size() * (self.privacy.trials or 1)
+
+
+def _check_finite(value: Any, path: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path or 'body'}: must be a finite number, got {value}")
+    if isinstance(value, list):
+        value = dict(enumerate(value))
+    for key, item in value.items() if isinstance(value, dict) else ():
+        _check_finite(item, f"{path}.{key}" if path else str(key))
+
+
+def _endpoints(dim: Dimension) -> list[Scalar]:
+    """The listed values, or the two ends of a range (the field's constraints are intervals)."""
+    if isinstance(dim, Grid):
+        return dim.grid
+    return dim.values if isinstance(dim, Choice) else list(dim.log_uniform)
+
+
+def _check_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
+    """Every value a dimension can take must be a valid setting of its field."""
+    if path not in SEARCHABLE:
+        raise ValueError(
+            f"search_space.{path}: cannot be searched; searchable: {', '.join(SEARCHABLE)} "
+            "(batch_size, epochs and the noise are fixed per job: every trial shares q, σ "
+            "and steps)"
+        )
+    part, name = path.split(".")
+    base = getattr(spec, part)
+    for value in _endpoints(dim):
+        try:
+            SEARCHABLE[path].model_validate({**base.model_dump(), name: value})
+        except ValidationError as error:
+            reason = error.errors()[0]["msg"]
+            raise ValueError(f"search_space.{path}: bad value {value!r}: {reason}") from None

@@ -1,0 +1,116 @@
+"""What a job runner records about its trials, each call in its own transaction.
+
+:func:`start_attempt` must be called *before* an attempt reads data. Holding the dataset's
+budget lock, it refuses attempts that the job's reservation does not cover and charges the
+attempt (``rdp``) or, on the job's first attempt, the whole random-stopping bound (``lt``,
+``ps``; invariant 3) — so privacy is on the ledger before it is consumed, and a crash
+afterwards cannot lose the charge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+from sqlalchemy.orm import Session
+
+from service import ledger
+from service.db import Artifact, Job, Trial, TrialAttempt, locked_dataset
+from service.orchestrator import JobState
+
+
+class AttemptRefused(Exception):
+    """The attempt is not covered by the job's reservation; it must not touch data."""
+
+
+def start_attempt(session: Session, job_id: int, index: int, params: dict[str, Any]) -> int:
+    """Record (and charge) attempt n+1 of trial ``index``; returns the attempt's id."""
+    dataset_id = session.get(Job, job_id).dataset_id
+    try:
+        locked_dataset(session, dataset_id)
+        job = session.get(Job, job_id, populate_existing=True)
+        if JobState(job.status).terminal:
+            raise AttemptRefused(f"job {job_id} is {job.status}")
+        trial = next((t for t in job.trials if t.index == index), None)
+        _check_covered(job, trial, index)
+        if trial is None:
+            trial = Trial(job_id=job.id, index=index, params=params)
+            session.add(trial)
+            job.trials.append(trial)
+        attempt = TrialAttempt(number=len(trial.attempts) + 1)
+        trial.attempts.append(attempt)
+        trial.status = JobState.RUNNING
+        job.status = JobState.RUNNING
+        job.started_at = job.started_at or datetime.now(UTC)
+        session.flush()
+        ledger.charge_what_ran(session, job)
+        session.commit()
+        return attempt.id
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def _check_covered(job: Job, trial: Trial | None, index: int) -> None:
+    plan = job.plan
+    cap = plan["trials"]["max"]
+    if not 0 <= index < cap:
+        raise AttemptRefused(f"trial index {index} outside the plan's {cap} trials")
+    if trial is None:
+        return
+    retries = job.spec["privacy"]["max_retries"] if job.accounting == "rdp" else 0
+    if len(trial.attempts) > retries:
+        raise AttemptRefused(f"trial {index} has used its {retries} reserved retries")
+
+
+def finish_attempt(
+    session: Session,
+    attempt_id: int,
+    status: str,
+    steps: int,
+    metrics: list[dict[str, Any]],
+    score: float | None,
+) -> None:
+    """Record how an attempt ended. ``metrics`` items are ``{"name", "value", "epoch",
+    "public"}``; ``score`` is the DP selection score."""
+    attempt = session.get(TrialAttempt, attempt_id)
+    trial = session.get(Trial, attempt.trial_id)
+    attempt.status = status
+    attempt.steps = steps
+    attempt.ended_at = datetime.now(UTC)
+    trial.status = status
+    trial.steps += steps
+    trial.metrics = [*trial.metrics, *metrics]
+    trial.score = score
+    session.commit()
+
+
+def release_model(
+    session: Session,
+    data_dir: Path,
+    trial_id: int,
+    tensors: dict[str, np.ndarray],
+    config: dict[str, Any],
+) -> Artifact:
+    """Store the selected trial's weights under DATA_DIR as safetensors (its trial config in
+    the file's metadata, key ``config``) and release them."""
+    trial = session.get(Trial, trial_id)
+    relative = Path("artifacts") / f"job-{trial.job_id}.safetensors"
+    path = data_dir / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+    artifact = Artifact(
+        job_id=trial.job_id,
+        trial_id=trial.id,
+        path=str(relative),
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        config=config,
+    )
+    session.add(artifact)
+    session.commit()
+    return artifact

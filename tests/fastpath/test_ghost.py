@@ -1,0 +1,412 @@
+"""The fast clipper (ghost norms + book-keeping) against independent per-sample gradients.
+
+The reference is written here from scratch: ``torch.func`` per-sample gradients, group norms and
+clipped sums by explicit loops. Results must agree to 1e-5 relative for every supported layer,
+every clipping style, shared layers, fallbacks, and against the engine's general path.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from workers.dp.ghost import FallbackWarning, clipped_grad_sum
+from workers.dp.ghost import layers as ghost_layers
+
+RTOL = 1e-5
+LOSS = nn.CrossEntropyLoss(reduction="none")
+
+
+# ---------------------------------------------------------------- independent reference
+def reference(model: nn.Module, x: Tensor, y: Tensor, groups: list[list[str]], coef_fn):
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return LOSS(functional_call(model, p, (xi[None],)), yi[None]).sum()
+
+    per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    norms = torch.stack([
+        torch.stack([torch.cat([per_sample[n][i].flatten() for n in g]).norm() for g in groups])
+        for i in range(x.shape[0])
+    ])
+    coef = coef_fn(norms)
+    sums = {
+        n: sum(coef[i, m] * per_sample[n][i] for i in range(x.shape[0]))
+        for m, g in enumerate(groups) for n in g
+    }
+    return norms, sums
+
+
+def abadi(threshold: float):
+    def coef_fn(norms: Tensor) -> Tensor:
+        per_group = threshold / norms.shape[1] ** 0.5  # R/√M (paper 002, eq. 4)
+        return torch.clamp(per_group / norms, max=1.0)
+
+    return coef_fn
+
+
+def style(model: nn.Module, name: str) -> list[list[str]]:
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if name == "all_layer":
+        return [names]
+    if name == "param_wise":
+        return [[n] for n in names]
+    if name == "layer_wise":
+        owners: dict[str, list[str]] = {}
+        for n in names:
+            owners.setdefault(n.rpartition(".")[0], []).append(n)
+        return list(owners.values())
+    # "groups": two uneven blocks, parameters interleaved across them
+    return [names[::2], names[1::2]] if len(names) > 1 else [names]
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = ((actual - expected).abs().max() / scale).item()
+    assert err <= RTOL, f"{what}: relative error {err:.2e}"
+
+
+def check(model: nn.Module, x: Tensor, y: Tensor, style_name: str = "all_layer",
+          threshold: float = 0.5) -> tuple[Tensor, dict[str, Tensor]]:
+    groups = style(model, style_name)
+    norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(threshold))
+    ref_norms, ref_sums = reference(model, x, y, groups, abadi(threshold))
+    assert norms.shape == (x.shape[0], len(groups))
+    assert_close(norms, ref_norms, "norms")
+    assert list(sums) == [n for n, _ in model.named_parameters()]
+    for name, value in sums.items():
+        assert value.shape == ref_sums[name].shape, name
+        assert_close(value, ref_sums[name], name)
+    # clipping actually bit: some coefficient < 1, so a wrong norm would show in the sums
+    assert (abadi(threshold)(ref_norms) < 1).any()
+    return norms, sums
+
+
+# ---------------------------------------------------------------- models
+class Mlp(nn.Module):
+    """Linear on 2-D inputs, with an in-place activation on a Linear's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(x).relu_())
+
+
+class Sequence(nn.Module):
+    """Embedding (padding_idx) → LayerNorm → Linear on [B, T, d], one layer on each side of the
+    ghost/instantiate rule (2T² ≤ p·d), plus a LayerNorm without bias."""
+
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 12, padding_idx=0)
+        self.ln = nn.LayerNorm(12)
+        self.wide = nn.Linear(12, 16)  # T(d + p) = 168 ≤ p·d = 192: ghost norm
+        self.narrow = nn.Linear(16, 2)  # T(d + p) = 108 > p·d = 32: instantiated
+        self.ln2 = nn.LayerNorm(2, bias=False)
+        self.head = nn.Linear(2 * positions, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.wide(self.ln(self.emb(x))))
+        return self.head(self.ln2(self.narrow(h)).flatten(1))
+
+
+class Convs(nn.Module):
+    """Conv1d (string padding, dilation, groups) and Conv2d (stride, groups), GroupNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 6, 3, padding="same", dilation=2, groups=2)
+        self.gn1 = nn.GroupNorm(3, 6)
+        self.c2 = nn.Conv2d(3, 4, 3, padding=1)
+        self.gn2 = nn.GroupNorm(2, 4)
+        self.c3 = nn.Conv2d(4, 4, 3, stride=2, groups=2, bias=False)
+        self.head = nn.Linear(6 * 9 + 4 * 4 * 4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        seq = x[:, :4, 0, :]  # [B, 4, 9]
+        a = torch.relu(self.gn1(self.c1(seq))).flatten(1)
+        b = self.c3(torch.relu_(self.gn2(self.c2(x[:, :3])))).flatten(1)  # in place on a GN
+        return self.head(torch.cat([a, b], 1))
+
+
+class Shared(nn.Module):
+    """One Linear applied twice: its per-sample gradient is the sum over both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(torch.tanh(self.block(x))))
+
+
+class Scale(nn.Module):
+    """A layer the fast path has no rule for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, 6)
+        self.lstm = nn.LSTM(6, 5, batch_first=True)
+        self.scale = Scale(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(self.emb(x))
+        return self.head(self.scale(out[:, -1]))
+
+
+class Tied(nn.Module):
+    """Input embedding tied to the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(x))).mean(1))
+
+
+def data(kind: str, batch: int = 7, positions: int = 6, classes: int = 3):
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    if kind == "ids":
+        return torch.randint(0, 7, (batch, positions), generator=g), y
+    if kind == "image":
+        return torch.randn(batch, 4, 9, 9, generator=g), y
+    return torch.randn(batch, 6, generator=g), y
+
+
+# ---------------------------------------------------------------- equality
+STYLES = ["all_layer", "layer_wise", "param_wise", "groups"]
+
+
+@pytest.mark.parametrize("style_name", STYLES)
+def test_linear_2d_matches_reference(style_name: str) -> None:
+    torch.manual_seed(0)
+    check(Mlp(), *data("dense"), style_name)
+
+
+@pytest.mark.parametrize("style_name", STYLES)
+def test_sequence_layers_match_reference(style_name: str) -> None:
+    torch.manual_seed(0)
+    x, y = data("ids")
+    x[:, 0] = 0  # padding_idx positions receive no gradient
+    check(Sequence(6), x, y, style_name)
+
+
+@pytest.mark.parametrize("style_name", STYLES)
+def test_convolutions_and_group_norm_match_reference(style_name: str) -> None:
+    torch.manual_seed(0)
+    check(Convs(), *data("image"), style_name)
+
+
+def test_chunked_norms_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny chunks force every norm to be computed a few samples at a time."""
+    monkeypatch.setattr(ghost_layers, "CHUNK_ELEMENTS", 64)
+    torch.manual_seed(0)
+    check(Convs(), *data("image"), "layer_wise")
+    check(Sequence(6), *data("ids"), "all_layer")
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+def test_ghost_and_instantiated_norms_both_match(monkeypatch: pytest.MonkeyPatch,
+                                                 ghost: bool) -> None:
+    """Each side of the ghost-or-instantiate choice, forced, on every Linear and convolution."""
+    monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: ghost)
+    torch.manual_seed(0)
+    check(Convs(), *data("image"), "param_wise")
+    check(Sequence(6), *data("ids"), "layer_wise")
+    check(Shared(), *data("dense"), "all_layer")
+
+
+def test_gradients_formed_during_backward_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Norm layers and many-position convolutions form per-sample gradients in the backward
+    pass (a hook on their node); a layer whose output is unused gets zeros."""
+    formed: list[str] = []
+    original = ghost_layers.LayerRule.per_sample
+
+    def spy(self, module: nn.Module, call: ghost_layers.Call) -> dict[str, Tensor]:
+        formed.append(type(module).__name__)
+        return original(self, module, call)
+
+    monkeypatch.setattr(ghost_layers.LayerRule, "per_sample", spy)
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv1d(2, 3, 3), nn.GroupNorm(1, 3)
+            self.head = nn.Linear(3 * 7, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.conv(x[:, :2, 0])
+            self.norm(h)  # computed, never used: its parameters get zero gradients
+            return self.head(h.flatten(1))
+
+    torch.manual_seed(0)
+    check(Convs(), *data("image"), "param_wise")
+    assert {"GroupNorm", "Conv2d"} <= set(formed)
+    formed.clear()
+    check(Unused(), *data("image"), "layer_wise")
+    assert formed == []  # the unused GroupNorm's hook never fired
+
+
+def test_shared_layer_sums_its_calls() -> None:
+    torch.manual_seed(0)
+    check(Shared(), *data("dense"))
+
+
+def test_matches_general_path() -> None:
+    general = pytest.importorskip("workers.dp.grads")
+    torch.manual_seed(0)
+    for model, (x, y) in [(Convs(), data("image")), (Sequence(6), data("ids"))]:
+        for style_name in STYLES:
+            groups = style(model, style_name)
+            norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))
+            ref_norms, ref_sums = general.clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))
+            assert_close(norms, ref_norms, f"{style_name} norms")
+            for name in ref_sums:
+                assert_close(sums[name], ref_sums[name], f"{style_name} {name}")
+
+
+# ---------------------------------------------------------------- fallbacks
+def test_recurrent_and_unknown_layers_fall_back_with_one_warning_each() -> None:
+    torch.manual_seed(0)
+    x, y = data("ids")
+    with pytest.warns(FallbackWarning) as caught:
+        check(Recurrent(), x, y, "layer_wise")
+    messages = [str(w.message) for w in caught if w.category is FallbackWarning]
+    assert len(messages) == 2
+    assert any("'lstm' (LSTM)" in m for m in messages)
+    assert any("'scale' (Scale)" in m for m in messages)
+
+
+def test_tied_parameters_fall_back() -> None:
+    torch.manual_seed(0)
+    x, y = data("ids", classes=5)
+    with pytest.warns(FallbackWarning, match="shares a parameter"):
+        check(Tied(), x % 5, y, "all_layer")
+
+
+def test_module_whose_parameters_are_used_directly_falls_back() -> None:
+    """nn.MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    with pytest.warns(FallbackWarning, match="MultiheadAttention"):
+        check(Attention(), x, y, "param_wise")
+
+
+class NotPerSample(nn.Module):
+    """Layers called on inputs without a per-sample batch axis: a Linear on a sequence-first
+    view (detectable only when T ≠ B), position ids stored in the model (broadcast over the
+    batch), and a Linear whose parameters are used without calling it."""
+
+    def __init__(self, positions: int) -> None:
+        super().__init__()
+        self.seq_first = nn.Linear(6, 6)
+        self.position = nn.Embedding(positions, 6)
+        self.register_buffer("ids", torch.arange(positions))
+        self.direct = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [B, T, 6]
+        if x.shape[0] == x.shape[1]:
+            h = self.seq_first(x)
+        else:
+            h = self.seq_first(x.transpose(0, 1)).transpose(0, 1)
+        h = h + self.position(self.ids)
+        return nn.functional.linear(torch.tanh(h).mean(1), self.direct.weight, self.direct.bias)
+
+
+@pytest.mark.parametrize("positions", [4, 7])  # 7 = the batch size: the buffer check decides
+def test_layers_without_per_sample_inputs_fall_back(positions: int) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(7, positions, 6), data("dense")[1]
+    with pytest.warns(FallbackWarning) as caught:
+        check(NotPerSample(positions), x, y, "layer_wise")
+    messages = " ".join(str(w.message) for w in caught)
+    assert "'position' (Embedding) is not called on a per-sample batch" in messages
+    assert "'direct' (Linear) was never called" in messages
+    if positions != 7:
+        assert "'seq_first' (Linear) is not called on a per-sample batch" in messages
+
+
+# ---------------------------------------------------------------- one pass, contract, errors
+def test_one_forward_no_weight_gradients_one_coef_call() -> None:
+    """Book-keeping needs one forward and one backward that never forms a weight gradient."""
+    torch.manual_seed(0)
+    model, (x, y) = Convs(), data("image")
+    forwards, coef_calls = [], []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+
+    def coef_fn(norms: Tensor) -> Tensor:
+        coef_calls.append(norms.shape)
+        return abadi(0.5)(norms)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        clipped_grad_sum(model, LOSS, x, y, style(model, "layer_wise"), coef_fn)
+    assert len(forwards) == 1
+    assert coef_calls == [(7, len(style(model, "layer_wise")))]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_empty_batch_gives_zero_sums() -> None:
+    model = Mlp()
+    norms, sums = clipped_grad_sum(model, LOSS, torch.zeros(0, 6), torch.zeros(0, dtype=torch.long),
+                                   style(model, "layer_wise"), abadi(1.0))
+    assert norms.shape == (0, 2)
+    assert all(v.shape == p.shape and not v.any() for v, p in zip(sums.values(),
+                                                                  model.parameters(), strict=True))
+
+
+def test_bad_groups_are_named() -> None:
+    model, (x, y) = Mlp(), data("dense")
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"groups: .*in no group"):
+        clipped_grad_sum(model, LOSS, x, y, [names[:-1]], abadi(1.0))
+    with pytest.raises(ValueError, match="more than one group"):
+        clipped_grad_sum(model, LOSS, x, y, [names, names[:1]], abadi(1.0))
+    with pytest.raises(ValueError, match="'nope' is not a trainable"):
+        clipped_grad_sum(model, LOSS, x, y, [[*names, "nope"]], abadi(1.0))
+
+
+def test_mean_loss_is_rejected() -> None:
+    model, (x, y) = Mlp(), data("dense")
+    with pytest.raises(ValueError, match="loss_fn: must return per-sample losses"):
+        clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, style(model, "all_layer"),
+                         abadi(1.0))
+
+
+def test_batch_norm_in_training_is_rejected() -> None:
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    x, y = data("dense")
+    with pytest.raises(ValueError, match="BatchNorm"):
+        clipped_grad_sum(model, LOSS, x, y, style(model, "all_layer"), abadi(1.0))

@@ -1,0 +1,113 @@
+"""Fixtures: the API on a real SQLite file in tmp_path, keys, a registered dataset.
+
+(Tests run with --import-mode=importlib, so helpers are handed out as fixtures.)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, make_url
+
+from service.api import create_app
+from service.settings import Settings
+
+OPERATOR_KEY = "dpt_test-operator-key-0123456789"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@dataclass
+class Api:
+    client: TestClient
+    operator: dict[str, str]
+
+    def register(self, name: str = "digits", epsilon: float = 4.0, delta: float = 1e-5,
+                 source: str = "builtin:digits") -> dict[str, Any]:
+        r = self.client.post("/v1/datasets", headers=self.operator, json={
+            "name": name, "source": source, "epsilon": epsilon, "delta": delta})
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def analyst(self, *datasets: int) -> dict[str, str]:
+        r = self.client.post("/v1/keys", headers=self.operator,
+                             json={"name": "ana", "role": "analyst", "datasets": list(datasets)})
+        assert r.status_code == 201, r.text
+        return bearer(r.json()["secret"])
+
+    def budget(self, dataset: int) -> dict[str, Any]:
+        r = self.client.get(f"/v1/datasets/{dataset}/budget", headers=self.operator)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def make_spec(dataset: int, epsilon: float = 1.0, **privacy: Any) -> dict[str, Any]:
+    """A small rdp job: a grid of 2 learning rates, one epoch, a private validation score."""
+    return {
+        "dataset": dataset,
+        "model": {"name": "mlp"},
+        "method": {"clipping": "abadi", "threshold": 1.0},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "validation": {"split": "private", "noise": 20.0},
+        "epochs": 1,
+        "batch_size": 64,
+        "search_space": {"optimizer.lr": {"grid": [0.05, 0.2]}},
+        "privacy": {"epsilon": epsilon, "accounting": "rdp", **privacy},
+    }
+
+
+@pytest.fixture
+def database_url() -> Iterator[str | None]:
+    """None: the default SQLite file. With ``DPTUNE_TEST_POSTGRES_URL`` (a PostgreSQL server
+    URL, ``postgresql+psycopg://user@host/postgres``) each test gets a fresh database there."""
+    server = os.environ.get("DPTUNE_TEST_POSTGRES_URL")
+    if server is None:
+        yield None
+        return
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    name = f"dptune_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    yield make_url(server).set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE {name} WITH (FORCE)")
+    admin.dispose()
+
+
+@pytest.fixture
+def settings(tmp_path, database_url) -> Settings:
+    return Settings(data_dir=tmp_path, database_url=database_url, operator_key=OPERATOR_KEY)
+
+
+@pytest.fixture
+def client(settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+@pytest.fixture
+def api(client) -> Api:
+    return Api(client, bearer(OPERATOR_KEY))
+
+
+@pytest.fixture
+def spec() -> Callable[..., dict[str, Any]]:
+    return make_spec
+
+
+@pytest.fixture
+def dataset(api) -> dict[str, Any]:
+    return api.register()
+
+
+@pytest.fixture
+def ana(api, dataset) -> dict[str, str]:
+    return api.analyst(dataset["id"])

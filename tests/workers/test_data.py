@@ -1,0 +1,83 @@
+"""Datasets: sizes, classes, splits and which are public."""
+
+import numpy as np
+import pytest
+import torch
+
+from workers.config import DatasetConfig
+from workers.data import describe, hold_out, load_dataset
+
+
+def load(source, **options):
+    return load_dataset(DatasetConfig(source=source, options=options))
+
+
+def test_digits():
+    d = load("builtin:digits")
+    assert d.size + len(d.y_val) == 1797 and d.num_classes == 10
+    assert d.input_shape == (1, 8, 8) and float(d.x.max()) <= 1.0
+    assert d.splits == {"train": "private", "val": "public"}
+
+
+def test_mnist1d_is_procedural_and_leaves_global_rng_alone():
+    np.random.seed(123)
+    expected = np.random.rand()
+    np.random.seed(123)
+    d = load("builtin:mnist1d", num_samples=500)
+    assert np.random.rand() == expected
+    assert d.size == 400 and len(d.y_val) == 100 and d.input_shape == (1, 40)
+    assert torch.equal(d.x, load("builtin:mnist1d", num_samples=500).x)
+
+
+def test_heavy_tail_matches_paper_004_construction():
+    d = load("builtin:heavy_tail", dim=3)
+    counts = torch.bincount(d.y)
+    assert d.size == 8192 and d.num_classes == 255 and len(counts) == 255
+    assert counts[0] == 1024 and counts[1:3].tolist() == [512, 512] and counts[-1] == 8
+    assert d.splits == {"train": "private"}
+    assert d.class_group.tolist()[:4] == [0, 1, 1, 2] and len(d.class_group) == 255
+    small = load("builtin:heavy_tail", scale=0.25)
+    assert small.size == 2048 and small.input_shape == (256 + 2048,)
+    assert float(small.x.min()) >= 0 and float(small.x.max()) <= 1
+
+
+def test_npz_with_public_validation(tmp_path):
+    path = tmp_path / "mine.npz"
+    np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]),
+             x_val=np.ones((2, 3)), y_val=np.array([3, 0]))
+    d = load(f"npz:{path}")
+    assert d.num_classes == 4 and d.splits == {"train": "private", "val": "public"}
+    info = describe("npz:mine.npz", tmp_path)
+    assert (info.n, info.num_classes, info.input_shape, info.public_validation) == (
+        6, 4, (3,), True)
+    np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]))
+    assert load(f"npz:{path}").splits == {"train": "private"}
+    assert not describe("npz:mine.npz", tmp_path).public_validation
+    assert describe("builtin:digits").n == 1438
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"x": np.zeros((2, 3))}, "no array 'y'"),
+    ({"x": np.zeros((2, 3)), "y": np.array([0.5, 1.0])}, "integer labels"),
+    ({"x": np.zeros((2, 3)), "y": np.array([0, 1]), "x_val": np.zeros((1, 3))}, "both"),
+])
+def test_npz_errors(tmp_path, arrays, message):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=f"dataset.source.*{message}"):
+        load(f"npz:{path}")
+
+
+def test_option_errors_name_the_option():
+    with pytest.raises(ValueError, match=r"dataset.options.scale"):
+        load("builtin:digits", scale=0.5)
+    with pytest.raises(ValueError, match=r"dataset.options.groups"):
+        load("builtin:heavy_tail", groups=0)
+    with pytest.raises(ValueError, match=r"dataset.source"):
+        load("npz:/nonexistent.npz")
+
+
+def test_hold_out_makes_a_private_validation_split():
+    d = hold_out(load("builtin:digits"), 0.25, seed=0)
+    assert d.splits == {"train": "private", "val": "private"}
+    assert len(d.y_val) == round(0.25 * (d.size + len(d.y_val)))

@@ -1,0 +1,137 @@
+"""Clipping bounds, sensitivity of the noiseless sum, the noise scale, and Poisson sampling."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from workers.config import ModelConfig
+from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
+from workers.dp.adaptive import ThresholdRule
+from workers.dp.clipping import coefficient_fn
+from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
+from workers.models import build_model
+
+LOSS = nn.CrossEntropyLoss(reduction="none")
+FUNCTIONS = ["abadi", "auto_s", "auto_v"]
+STYLES = ["all_layer", "layer_wise", "param_wise"]
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(name="mlp", options={"hidden": 8}), (6,), 3)
+
+
+def batch(n=6, scale=50.0, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def flat(sums):
+    return torch.cat([s.flatten() for s in sums.values()])
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("style", STYLES)
+def test_clipped_per_sample_gradients_respect_group_and_total_bounds(function, style):
+    model, (x, _), r = mlp(), batch(), 0.3
+    y = model(x).argmin(1).detach()  # the least likely class: every gradient is large
+    groups = resolve_groups(model, style)
+    coef = coefficient_fn(function, r, len(groups))
+    for i in range(len(y)):  # clip each example alone: its sum is its clipped gradient
+        norms, sums = clipped_grad_sum(model, LOSS, x[i : i + 1], y[i : i + 1], groups, coef)
+        for group in groups:
+            group_norm = torch.cat([sums[n].flatten() for n in group]).norm()
+            assert group_norm <= r / math.sqrt(len(groups)) * (1 + 1e-5)
+        assert flat(sums).norm() <= r * (1 + 1e-5)
+        assert norms.max() > 2 * r  # the bound binds
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("style", STYLES)
+def test_sensitivity_of_the_noiseless_sum(function, style):
+    model, (x, _), r = mlp(), batch(), 0.7
+    y = model(x).argmin(1).detach()
+    groups = resolve_groups(model, style)
+    coef = coefficient_fn(function, r, len(groups))
+    full = flat(clipped_grad_sum(model, LOSS, x, y, groups, coef)[1])
+    removed = flat(clipped_grad_sum(model, LOSS, x[1:], y[1:], groups, coef)[1])
+    x2, y2 = x.clone(), y.clone()
+    x2[0] = -3 * x[0]
+    y2[0] = model(x2[:1]).argmin(1).detach()[0]
+    replaced = flat(clipped_grad_sum(model, LOSS, x2, y2, groups, coef)[1])
+    assert (full - removed).norm() <= r * (1 + 1e-5)
+    assert (full - replaced).norm() <= 2 * r * (1 + 1e-5)
+    assert (full - replaced).norm() > r / 2  # the bound is not vacuous here
+
+
+def make_step(model, *, noise, threshold, expected, seed=0):
+    groups = resolve_groups(model, "layer_wise")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    return PrivateStep(model, LOSS, groups, clipped_grad_sum, clipping="abadi", gamma=0.01,
+                       rule=ThresholdRule(threshold), grad_noise=noise,
+                       expected_batch_size=expected, optimizer=optimizer,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="mlp", options={"hidden": 128}), (64,), 10)
+    sigma, r, b = 1.3, 0.8, 16
+    step = make_step(model, noise=sigma, threshold=r, expected=b)
+    step.private_gradient([(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))])
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert len(grads) > 20000
+    assert abs(float(grads.mean())) < 4 * sigma * r / b / math.sqrt(len(grads))
+    assert float(grads.std()) == pytest.approx(sigma * r / b, rel=0.03)
+    assert step.noise_std(r) == pytest.approx(sigma * r / b)
+
+
+def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b():
+    x, y = batch(n=7, scale=3.0)
+    results = []
+    for physical in (1, 3, 7):
+        model = mlp()
+        step = make_step(model, noise=0.5, threshold=0.4, expected=10, seed=5)
+        norms = step.private_gradient(
+            [(x[i], y[i]) for i in micro_batches(torch.arange(7), physical)])
+        results.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        assert norms.shape == (7,)
+    torch.testing.assert_close(results[0], results[1])
+    torch.testing.assert_close(results[0], results[2])
+
+    model = mlp()
+    step = make_step(model, noise=0.0, threshold=0.4, expected=10)
+    step.private_gradient([(x, y)])
+    groups = resolve_groups(model, "layer_wise")
+    grads = per_sample_grads(model, LOSS, x, y)
+    for group in groups:  # independent: clip each example by hand, sum, / B
+        r_m = 0.4 / math.sqrt(len(groups))
+        norm = torch.stack([grads[n].flatten(1).pow(2).sum(1) for n in group]).sum(0).sqrt()
+        factor = torch.clamp(r_m / norm, max=1.0)
+        for n in group:
+            want = (factor.view(-1, *[1] * (grads[n].dim() - 1)) * grads[n]).sum(0) / 10
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, want)
+
+
+def test_realized_sample_rate_matches_q():
+    n, q, steps = 2000, 0.03, 300
+    sizes = torch.tensor([len(i) for i in poisson_batches(n, q, steps, torch.Generator())])
+    std = math.sqrt(n * q * (1 - q) / steps)
+    assert abs(float(sizes.double().mean()) - n * q) < 4 * std
+    assert float(sizes.double().var()) == pytest.approx(n * q * (1 - q), rel=0.25)
+    counts = torch.zeros(n)
+    for idx in poisson_batches(n, q, steps, torch.Generator().manual_seed(3)):
+        assert len(idx.unique()) == len(idx)
+        counts[idx] += 1
+    assert float(counts.mean() / steps) == pytest.approx(q, rel=0.05)
+
+
+def test_sampling_helpers():
+    assert sample_rate(64, 1000) == 0.064
+    assert num_steps(1000, 64, 2.0) == 31
+    with pytest.raises(ValueError, match="batch_size"):
+        sample_rate(2000, 1000)
+    empties = sum(len(i) == 0 for i in poisson_batches(10, 0.01, 50, torch.Generator()))
+    assert empties > 30

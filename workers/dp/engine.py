@@ -1,0 +1,86 @@
+"""One private optimisation step: clip, accumulate, add noise once, divide by B, step.
+
+For a logical batch 𝓑_t (Poisson, expected size B) split into physical micro-batches, the
+private gradient of every parameter is
+
+    g̃ = (1/B) · ( Σ_{i∈𝓑_t} C(g_i^(m); C_t/√M)·g_i^(m) + N(0, σ_T²C_t²·I) )
+
+(paper 001 eq. 2 / Algorithm 1, paper 002 eq. 4): the clipped sum has sensitivity C_t (≤ C_t
+for add/remove, ≤ 2C_t for replace-one), the noise is drawn once per logical step whatever the
+number of micro-batches, and the divisor is the expected B, never |𝓑_t| (DESIGN.md invariant 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from workers.config import ClippingFunction
+from workers.dp.adaptive import ThresholdRule
+from workers.dp.clipping import CoefFn, coefficient_fn
+from workers.dp.grads import LossFn
+from workers.dp.optim import AdamBC
+
+Clipper = Callable[
+    [nn.Module, LossFn, Tensor, Tensor, list[list[str]], CoefFn], tuple[Tensor, dict[str, Tensor]]
+]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    threshold: float  # C_t used to clip this step (a DP output: data-independent or post-processed)
+    batch_size: int  # realized |𝓑_t|: private, operator-only
+
+
+class PrivateStep:
+    """Holds what stays fixed during a trial and performs logical steps with :meth:`step`."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, groups: list[list[str]],
+                 clipper: Clipper, *, clipping: ClippingFunction, gamma: float,
+                 rule: ThresholdRule, grad_noise: float, expected_batch_size: int,
+                 optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+        self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
+        self.clipping, self.gamma, self.rule = clipping, gamma, rule
+        self.grad_noise, self.expected_batch_size = grad_noise, expected_batch_size
+        self.optimizer, self.generator = optimizer, generator
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def noise_std(self, threshold: float) -> float:
+        """Per-coordinate std of the noise in the averaged gradient, σ_T·C_t/B."""
+        return self.grad_noise * threshold / self.expected_batch_size
+
+    def private_gradient(self, batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
+        """Set ``p.grad`` to g̃ for one logical batch; return the per-example gradient norms
+        ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
+        threshold = self.rule.threshold
+        coef_fn = coefficient_fn(self.clipping, threshold, len(self.groups), self.gamma)
+        sums = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        norms = [torch.zeros(0)]
+        for inputs, targets in batches:
+            if len(inputs) == 0:
+                continue
+            group_norms, batch_sums = self.clipper(
+                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn)
+            norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
+            for name, s in batch_sums.items():
+                sums[name] += s.detach()
+        std = self.grad_noise * threshold
+        for name, p in self.params.items():
+            noise = torch.randn(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
+            p.grad = (sums[name] + std * noise) / self.expected_batch_size
+        return torch.cat(norms)
+
+    def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
+        """Private gradient, optimizer step, then the threshold rule's update for step t+1."""
+        threshold = self.rule.threshold
+        norms = self.private_gradient(batches)
+        if isinstance(self.optimizer, AdamBC):
+            for group in self.optimizer.param_groups:
+                group["noise_std"] = self.noise_std(threshold)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rule.update(norms, index)
+        return StepReport(threshold=threshold, batch_size=len(norms))

@@ -1,0 +1,44 @@
+"""Poisson sampling of logical batches and their split into physical micro-batches.
+
+DESIGN.md invariant 1: each example joins each logical batch independently with probability
+q = B/N, which is what the subsampled-Gaussian accountant assumes. The realized batch size is
+random (possibly 0) and is never used to normalize: the engine divides the noisy sum by B.
+
+q and T are fixed from the dataset's registered size N before any private validation split is
+held out (``workers.trial``): the held-out examples are then never sampled (rate 0 ≤ q), so
+the accountant's (q, σ, T) still bounds every example, and the trial costs exactly its plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+
+def sample_rate(expected_batch_size: int, num_examples: int) -> float:
+    if expected_batch_size > num_examples:
+        raise ValueError(f"batch_size: expected batch size {expected_batch_size} exceeds the "
+                         f"{num_examples} training examples")
+    return expected_batch_size / num_examples
+
+
+def num_steps(num_examples: int, expected_batch_size: int, epochs: float) -> int:
+    """T = epochs·N/B = epochs/q logical steps (at least one). The service's planner calls this
+    with the registered N, so planned and trained step counts agree."""
+    return max(1, round(epochs * num_examples / expected_batch_size))
+
+
+def poisson_batches(
+    num_examples: int, rate: float, steps: int, generator: torch.Generator
+) -> Iterator[Tensor]:
+    """Yield ``steps`` index tensors, each a Poisson sample of rate ``rate`` (may be empty)."""
+    for _ in range(steps):
+        mask = torch.rand(num_examples, generator=generator) < rate
+        yield mask.nonzero().squeeze(1)
+
+
+def micro_batches(indices: Tensor, physical_batch_size: int) -> list[Tensor]:
+    """Split one logical batch into chunks that fit in memory (gradient accumulation)."""
+    return list(indices.split(physical_batch_size))

@@ -1,0 +1,198 @@
+"""The tuning-job driver: ``python -m workers.job <job id>``, the entrypoint of a Ray job.
+
+It reads the admitted job from the database, decides its trials (:mod:`workers.search`), runs
+them with Ray Tune — each under ``tune.with_resources`` with the job's CPU/GPU request — and
+finally releases the best trial's model by its DP selection score. Privacy bookkeeping happens
+where data is touched: a trial attempt is recorded, and charged, by
+:func:`service.trials.start_attempt` *before* it loads the dataset (DESIGN.md invariants 2–3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+from safetensors.torch import load_file, save_file
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from service import trials as records
+from service.db import Dataset, Job, Trial, create_db_engine
+from service.orchestrator import JobState
+from service.settings import Settings
+from workers.config import TrialConfig
+from workers.search import Candidate, candidates, draw_trial_count
+from workers.trial import run_trial
+
+log = logging.getLogger("dptune.job")
+
+#: test hook: when this file is named and does not exist yet, the next trial attempt creates
+#: it and crashes after its first step — so tests can prove that retries are charged.
+CRASH_ONCE_ENV = "DPTUNE_CRASH_ONCE_FILE"
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``."""
+
+    job_id: int
+    database_url: str
+    data_dir: Path
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    dataset_source: str
+    dataset_options: dict[str, Any]
+    candidates: list[Candidate]
+
+    def engine(self) -> Engine:
+        return create_db_engine(self.database_url)
+
+    def weights_path(self, index: int) -> Path:
+        return self.data_dir / "jobs" / str(self.job_id) / f"trial-{index}.safetensors"
+
+
+def trial_config(ctx: JobContext, index: int) -> TrialConfig:
+    """The trial's config: the job's base settings, candidate ``index``'s hyperparameters and
+    the planned noise. The seed comes from OS entropy — it drives Poisson sampling and the DP
+    noise, which must stay secret from the analyst who chose the job's seed."""
+    spec = ctx.spec
+    config: dict[str, Any] = {
+        "dataset": {"source": ctx.dataset_source, "options": ctx.dataset_options},
+        "model": spec["model"], "method": spec["method"], "optimizer": spec["optimizer"],
+        "validation": spec["validation"], "epochs": spec["epochs"],
+        "batch_size": spec["batch_size"], "physical_batch_size": spec["physical_batch_size"],
+        "noise_multiplier": ctx.plan["noise_multiplier"], "delta": ctx.plan["delta"],
+        "seed": secrets.randbits(62), "device": "auto",
+    }
+    for path, value in ctx.candidates[index].items():
+        part, name = path.split(".")
+        config[part] = {**config[part], name: value}
+    return TrialConfig.model_validate(config)
+
+
+def _maybe_crash() -> None:
+    marker = os.environ.get(CRASH_ONCE_ENV)
+    if marker and not Path(marker).exists():
+        Path(marker).touch()
+        raise InjectedCrash(f"injected crash ({CRASH_ONCE_ENV})")
+
+
+def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
+    """The Ray Tune trainable: one attempt of trial ``config["index"]``."""
+    index = int(config["index"])
+    engine = ctx.engine()
+    with Session(engine) as session:
+        # Charged before any data is read; refused when the reservation does not cover it.
+        attempt_id = records.start_attempt(session, ctx.job_id, index, ctx.candidates[index])
+    steps_run = 0
+
+    def on_step(t: int, total: int) -> None:
+        nonlocal steps_run
+        steps_run = t
+        if t == 1:
+            _maybe_crash()
+
+    def on_epoch(rows: list[dict[str, Any]]) -> None:
+        tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
+
+    try:
+        outcome = run_trial(trial_config(ctx, index), on_step=on_step, on_epoch=on_epoch,
+                            data_dir=ctx.data_dir)
+    except BaseException as error:
+        with Session(engine) as session:
+            records.finish_attempt(session, attempt_id, "failed", steps_run, [],  None)
+        log.error("trial %d failed: %s", index, error)
+        raise
+    result = outcome.result
+    path = ctx.weights_path(index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()},
+              str(path))
+    metrics = [{**m, "public": m["visibility"] == "public"} for m in result["metrics"]]
+    with Session(engine) as session:
+        records.finish_attempt(session, attempt_id, "succeeded", result["steps"], metrics,
+                               result["score"]["value"])
+    tune.report({"steps": result["steps"], "score": result["score"]["value"], "done": True})
+
+
+def _load(job_id: int, settings: Settings) -> JobContext:
+    with Session(create_db_engine(settings.sqlalchemy_url)) as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise SystemExit(f"job {job_id} does not exist")
+        dataset = session.get(Dataset, job.dataset_id)
+        spec, plan = job.spec, job.plan
+        privacy = spec["privacy"]
+        if job.accounting == "rdp":
+            count = privacy.get("trials") or 1
+            cands = candidates(spec["search_space"], count, spec["seed"])
+        else:
+            k = draw_trial_count(job.accounting, plan["params"])
+            space = spec["search_space"]
+            cands = candidates(space, k, spec["seed"]) if k else []
+        return JobContext(job_id, settings.sqlalchemy_url, settings.data_path, spec, plan,
+                          dataset.source, dataset.options, cands)
+
+
+def _release_best(ctx: JobContext) -> None:
+    """Release the best finished trial by its DP selection score (invariant 5)."""
+    sign = 1 if ctx.spec["selection"]["mode"] == "max" else -1
+    with Session(ctx.engine()) as session:
+        job = session.get(Job, ctx.job_id)
+        done: list[Trial] = [t for t in job.trials if t.status == "succeeded"
+                             and t.score is not None]
+        if not done:
+            log.warning("no trial finished: nothing to release")
+            return
+        best = max(done, key=lambda t: sign * t.score)
+        tensors = {k: v.numpy() for k, v in load_file(str(ctx.weights_path(best.index))).items()}
+        config = trial_config(ctx, best.index).model_dump(mode="json")
+        config.pop("seed")
+        records.release_model(session, ctx.data_dir, best.id, tensors, config)
+
+
+def run_job(job_id: int, settings: Settings) -> JobState:
+    ctx = _load(job_id, settings)
+    resources = ctx.spec["resources"]
+    retries = ctx.spec["privacy"].get("max_retries", 0) if ctx.plan["accounting"] == "rdp" else 0
+    if ctx.candidates:
+        tuner = tune.Tuner(
+            tune.with_resources(tune.with_parameters(run_candidate, ctx=ctx),
+                                {"cpu": resources["cpu"], "gpu": resources["gpu"]}),
+            param_space={"index": tune.grid_search(list(range(len(ctx.candidates))))},
+            run_config=tune.RunConfig(
+                name=f"dptune-job-{job_id}",
+                storage_path=str(ctx.data_dir / "ray_results"),
+                failure_config=tune.FailureConfig(max_failures=retries),
+                verbose=1,
+            ),
+        )
+        tuner.fit()
+    _release_best(ctx)
+    return JobState.SUCCEEDED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("job_id", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    ray.init(address="auto")
+    run_job(args.job_id, Settings())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

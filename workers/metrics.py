@@ -1,0 +1,54 @@
+"""Evaluation and the private selection score.
+
+DESIGN.md invariants 4 and 5: metrics computed on private data are operator-only; the score
+used to select a trial comes from a public split, or from the private one through the Gaussian
+mechanism below, whose RDP (``gaussian_rdp(noise)``) is part of the trial's cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    loss: float
+    correct: int
+    total: int
+    predictions: Tensor
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.total, 1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> Evaluation:
+    model.eval()
+    loss, predictions = 0.0, []
+    for start in range(0, len(y), batch_size):
+        out = model(x[start : start + batch_size])
+        loss += float(F.cross_entropy(out, y[start : start + batch_size], reduction="sum"))
+        predictions.append(out.argmax(1))
+    model.train()
+    pred = torch.cat(predictions) if predictions else y.new_zeros(0)
+    return Evaluation(loss / max(len(y), 1), int((pred == y).sum()), len(y), pred)
+
+
+def noisy_accuracy(correct: int, total: int, noise: float, generator: torch.Generator) -> float:
+    """(correct + N(0, noise²)) / total: the number of correct predictions has sensitivity 1
+    under adding/removing (or replacing) one validation example, so this release is the
+    Gaussian mechanism with noise multiplier ``noise``. The split's size is public, as N is
+    for DP-SGD's sampling rate."""
+    return (correct + noise * float(torch.randn(1, generator=generator))) / total
+
+
+def group_accuracy(predictions: Tensor, y: Tensor, class_group: Tensor) -> dict[int, float]:
+    """Accuracy per label-frequency group (paper 004's metric)."""
+    groups = class_group.to(y.device)[y]
+    hits = (predictions == y).double()
+    return {int(g): float(hits[groups == g].mean()) for g in groups.unique()}

@@ -1,0 +1,78 @@
+"""Which trials a tuning job runs: the candidates and, under random stopping, how many.
+
+- ``rdp`` (fixed K): every point of the grid product, each paired with ``trials`` random draws
+  of the random dimensions. Every trial is charged, so any search is allowed.
+- ``lt`` / ``ps`` (random K): K is drawn from the accounting distribution and candidates are
+  drawn i.i.d. from the fixed prior given by the search space (DESIGN.md invariant 6). K must
+  stay secret and unpredictable — the bounds of Liu–Talwar and Papernot–Steinke hold for a
+  random K — so it is drawn from OS entropy, never from the job's (analyst-chosen) seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from typing import Any
+
+import numpy as np
+
+from service.accounting.tuning import tnb_gamma
+
+Candidate = dict[str, Any]
+
+
+def _draw(dimension: dict[str, Any], rng: np.random.Generator) -> Any:
+    if "values" in dimension:
+        values = dimension["values"]
+        return values[int(rng.integers(len(values)))]
+    low, high = dimension["log_uniform"]
+    return float(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -> list[Candidate]:
+    """Grid points × ``count`` i.i.d. draws of the random dimensions (only the draws when there
+    is no grid). ``search_space`` maps a dotted path to ``{"grid"|"values"|"log_uniform": …}``.
+    """
+    rng = np.random.default_rng(seed)
+    grid = {p: d["grid"] for p, d in search_space.items() if "grid" in d}
+    random = {p: d for p, d in search_space.items() if "grid" not in d}
+    points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    return [
+        {**point, **{p: _draw(d, rng) for p, d in random.items()}}
+        for point in points
+        for _ in range(count)
+    ]
+
+
+def draw_trial_count(accounting: str, params: dict[str, Any],
+                     rng: np.random.Generator | None = None) -> int:
+    """K for a random-stopping job, capped at the plan's maximum.
+
+    ``lt``: run, then stop with probability γ: K ~ Geometric(γ) on {1, 2, …}, capped at
+    T = ⌈ln(1/δ₂)/γ⌉ (paper 001, Theorem 1 — the cap is part of that bound).
+    ``ps``: Papernot–Steinke Def. 1: truncated negative binomial D_{η,γ} (η = 1 geometric,
+    η = 0 logarithmic, else a negative binomial conditioned on K ≥ 1) or Poisson(μ) (K = 0
+    possible); capped at ``max_trials``, whose tail probability the plan charged to δ.
+    """
+    rng = rng or np.random.default_rng(secrets.randbits(128))
+    if accounting == "lt":
+        gamma = params["gamma"]
+        cap = math.ceil(math.log(1 / params["delta2"]) / gamma)
+        return min(int(rng.geometric(gamma)), cap)
+    if accounting != "ps":
+        raise ValueError(f"accounting: K is fixed under {accounting!r}")
+    mean, eta, cap = params["mean"], params["eta"], params["max_trials"]
+    if eta is None:
+        k = int(rng.poisson(mean))
+    else:
+        gamma = tnb_gamma(mean, eta)
+        if eta == 0:
+            k = int(rng.logseries(1 - gamma))
+        elif eta == 1:
+            k = int(rng.geometric(gamma))
+        else:
+            k = 0
+            while k == 0:
+                k = int(rng.negative_binomial(eta, gamma))
+    return min(k, cap)

@@ -1,0 +1,226 @@
+"""Train one model with DP from a :class:`~workers.config.TrialConfig`.
+
+``python -m workers.trial --config trial.json --out result.json`` runs one trial with a progress
+bar; :func:`run_trial` is the same thing for the Ray trainable. The result holds the privacy
+parameters and cost, the per-step thresholds of adaptive rules, per-epoch metrics each marked
+``public`` or ``private`` (private ones are operator-only, DESIGN.md invariant 4) and the
+selection score (invariant 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from service.accounting import (
+    calibrate_noise,
+    epsilon_from_rdp,
+    gaussian_rdp,
+    trial_rdp,
+)
+from workers.config import TrialConfig
+from workers.data import Dataset, hold_out, load_dataset
+from workers.dp import PrivateStep, get_clipper, resolve_groups
+from workers.dp.adaptive import build_rule, gradient_noise, release_noise
+from workers.dp.optim import build_optimizer
+from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
+from workers.metrics import evaluate, group_accuracy, noisy_accuracy
+from workers.models import build_model
+
+#: Training metrics are computed on at most this many training examples per epoch.
+TRAIN_EVAL_EXAMPLES = 4096
+
+StepCallback = Callable[[int, int], None]
+EpochCallback = Callable[[list[dict[str, Any]]], None]
+
+
+@dataclass
+class TrialOutcome:
+    result: dict[str, Any]
+    model: nn.Module
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but no GPU is available")
+    return torch.device(name)
+
+
+def _validation_data(cfg: TrialConfig, dataset: Dataset) -> Dataset:
+    if cfg.validation.split == "private":
+        return hold_out(dataset, cfg.validation.fraction, cfg.seed)
+    if dataset.x_val is None or not dataset.val_public:
+        raise ValueError(f"validation.split: dataset {dataset.name!r} has no public validation "
+                         "split; use 'private' (with validation.noise)")
+    return dataset
+
+
+def _epoch_metrics(model: nn.Module, data: Dataset, epoch: int) -> list[dict[str, Any]]:
+    train = evaluate(model, data.x[:TRAIN_EVAL_EXAMPLES], data.y[:TRAIN_EVAL_EXAMPLES])
+    rows = [("train_loss", train.loss, "private"), ("train_accuracy", train.accuracy, "private")]
+    if data.class_group is not None:
+        by_group = group_accuracy(train.predictions, data.y[:TRAIN_EVAL_EXAMPLES], data.class_group)
+        rows += [(f"train_accuracy_group{g}", a, "private") for g, a in by_group.items()]
+    if data.x_val is not None:
+        val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
+        visibility = "public" if data.val_public else "private"
+        rows += [("val_loss", val.loss, visibility), ("val_accuracy", val.accuracy, visibility)]
+    return [{"epoch": epoch, "name": n, "value": v, "visibility": vis} for n, v, vis in rows]
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """The trial's privacy parameters, fixed before any training data is touched."""
+
+    sample_rate: float
+    steps: int
+    noise_multiplier: float  # σ: what the trial costs (DP-SGD with σ, Theorem 2)
+    grad_noise: float  # σ_T: what the gradient gets after the rule's release
+    validation_rdp: np.ndarray | None  # the private selection score's Gaussian mechanism
+
+    def epsilon(self, delta: float) -> tuple[float, float]:
+        rdp = trial_rdp(self.sample_rate, self.noise_multiplier, self.steps, self.validation_rdp)
+        return epsilon_from_rdp(rdp, delta)
+
+
+def plan_privacy(cfg: TrialConfig, size: int) -> Privacy:
+    """q = B/N and T = epochs·N/B for the dataset's full (registered) size N, and σ given or
+    calibrated so that the whole trial (validation included) costs ``target_epsilon`` at δ."""
+    q = sample_rate(cfg.batch_size, size)
+    steps = num_steps(size, cfg.batch_size, cfg.epochs)
+    noise = cfg.validation.noise
+    val_rdp = gaussian_rdp(noise) if cfg.validation.split == "private" and noise else None
+    sigma = cfg.noise_multiplier or calibrate_noise(
+        q, steps, cfg.target_epsilon, cfg.delta, extra_rdp=val_rdp)  # type: ignore[arg-type]
+    return Privacy(q, steps, sigma, gradient_noise(cfg.method, cfg.batch_size, sigma), val_rdp)
+
+
+def _engine(cfg: TrialConfig, model: nn.Module, privacy: Privacy,
+            device: torch.device) -> PrivateStep:
+    groups = resolve_groups(model, cfg.method.groups if cfg.method.style == "groups"
+                            else cfg.method.style)
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rule = build_rule(cfg.method, expected_batch_size=cfg.batch_size, steps=privacy.steps,
+                      grad_noise=privacy.grad_noise, num_params=num_params,
+                      generator=torch.Generator().manual_seed(cfg.seed + 2))
+    return PrivateStep(model, nn.CrossEntropyLoss(reduction="none"), groups,
+                       get_clipper(cfg.method.per_sample), clipping=cfg.method.clipping,
+                       gamma=cfg.method.gamma, rule=rule, grad_noise=privacy.grad_noise,
+                       expected_batch_size=cfg.batch_size,
+                       optimizer=build_optimizer(cfg.optimizer, model),
+                       generator=torch.Generator(device=device).manual_seed(cfg.seed + 1))
+
+
+def _score(cfg: TrialConfig, model: nn.Module, data: Dataset) -> dict[str, Any]:
+    """The selection score: public validation accuracy, or the private one released through
+    the Gaussian mechanism (DESIGN.md invariant 5)."""
+    val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
+    noise = cfg.validation.noise if cfg.validation.split == "private" else None
+    value = (val.accuracy if noise is None else
+             noisy_accuracy(val.correct, val.total, noise,
+                            torch.Generator().manual_seed(cfg.seed + 3)))
+    return {"name": "val_accuracy", "value": value, "split": cfg.validation.split,
+            "noise": noise}
+
+
+def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
+              on_epoch: EpochCallback | None = None, data_dir: Path | None = None) -> TrialOutcome:
+    """Train one model; ``on_step(t, T)`` after each logical step (what ran so far is what
+    must be charged), ``on_epoch(rows)`` with each epoch's metric rows; relative ``npz:``
+    paths are resolved against ``data_dir``."""
+    started = time.perf_counter()
+    device = resolve_device(cfg.device)
+    full = load_dataset(cfg.dataset, data_dir)
+    privacy = plan_privacy(cfg, full.size)  # before any hold-out: see workers.dp.sampling
+    data = _validation_data(cfg, full)
+    data = replace(data, x=data.x.to(device), y=data.y.to(device),
+                   x_val=data.x_val.to(device), y_val=data.y_val.to(device))  # type: ignore[union-attr]
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    engine = _engine(cfg, model, privacy, device)
+
+    thresholds, metrics = [], []
+    sampling = torch.Generator().manual_seed(cfg.seed)
+    batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, sampling)
+    for t, indices in enumerate(batches):
+        chunks = [(data.x[i], data.y[i])
+                  for i in micro_batches(indices.to(device), cfg.physical_batch_size)]
+        thresholds.append(engine.step(chunks, t).threshold)
+        if on_step:
+            on_step(t + 1, privacy.steps)
+        epoch = int((t + 1) * privacy.sample_rate + 1e-9)
+        if epoch > int(t * privacy.sample_rate + 1e-9) or t + 1 == privacy.steps:
+            rows = _epoch_metrics(model, data, max(epoch, 1))
+            metrics += rows
+            if on_epoch:
+                on_epoch(rows)
+
+    epsilon, order = privacy.epsilon(cfg.delta)
+    result = {
+        "config": cfg.model_dump(mode="json"),
+        "dataset": {"name": data.name, "size": full.size, "train_size": data.size,
+                    "classes": data.num_classes, "splits": data.splits},
+        "sample_rate": privacy.sample_rate,
+        "steps": privacy.steps,
+        "noise_multiplier": privacy.noise_multiplier,
+        "grad_noise_multiplier": privacy.grad_noise,
+        "release_noise_multiplier": release_noise(cfg.method, cfg.batch_size),
+        "groups": len(engine.groups),
+        "epsilon": epsilon,
+        "delta": cfg.delta,
+        "rdp_order": order,
+        "thresholds": thresholds if cfg.method.adaptive else None,
+        "metrics": metrics,
+        "score": _score(cfg, model, data),
+        "wall_time_s": time.perf_counter() - started,
+        "device": str(device),
+    }
+    return TrialOutcome(result, model)
+
+
+def _error_message(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.trial", description=__doc__)
+    parser.add_argument("--config", required=True, type=Path, help="trial config (JSON)")
+    parser.add_argument("--out", required=True, type=Path, help="where to write the result")
+    args = parser.parse_args(argv)
+    from rich.progress import Progress
+
+    try:
+        cfg = TrialConfig.model_validate_json(args.config.read_text())
+        with Progress(transient=True) as progress:
+            task = progress.add_task("DP training", total=None)
+            outcome = run_trial(cfg, on_step=lambda t, total: progress.update(
+                task, completed=t, total=total))
+    except ValidationError as err:
+        print(f"invalid config: {_error_message(err)}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        print(f"invalid config: {err}", file=sys.stderr)
+        return 2
+    args.out.write_text(json.dumps(outcome.result, indent=2))
+    r = outcome.result
+    print(f"{r['steps']} steps, σ = {r['noise_multiplier']:.3f}, ε = {r['epsilon']:.3f} at "
+          f"δ = {r['delta']:g}, score ({r['score']['split']}) = {r['score']['value']:.4f}, "
+          f"{r['wall_time_s']:.1f}s on {r['device']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
