@@ -1,7 +1,7 @@
 """Step time and peak memory of DP training steps, as ratios to the non-private step.
 
-    python bench/step_overhead.py            # full table (5 models x batches 64, 256)
-    python bench/step_overhead.py --quick    # a subset, under a minute on 2 CPU cores
+    python bench/step_overhead.py --threads 1  # full table (5 models x batches 64, 256)
+    python bench/step_overhead.py --quick      # mlp and logreg at B=64, under a minute
     python bench/step_overhead.py --json out.json
 
 Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
@@ -14,7 +14,7 @@ Each (model, batch, column) runs in a fresh subprocess, so peak memory is not po
 runs. Peak memory = the largest memory in use during the first step, counting the model, its
 optimizer, the batch and every transient: on CUDA ``torch.cuda.max_memory_allocated``; on CPU
 the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before the
-model is built) minus the resident set after the imports, with glibc told (``mallopt``) to
+model is built) minus the resident set after every import, with glibc told (``mallopt``) to
 ``mmap`` every block over 64 KiB during that step, so freed tensors leave the resident set at
 once. The timed steps then run with glibc's usual heap reuse: after a warm-up of ``--seconds``/2,
 step time is the median of at least ``--steps`` steps, more until ``--seconds`` have passed
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import json
 import os
 import statistics
@@ -155,6 +156,10 @@ def run_one(model_name: str, batch: int, method: str, device: str, steps: int, s
     """Measure one column in this process (meant to be a fresh subprocess)."""
     import torch
 
+    libraries = ["workers.models", "workers.dp.clipping", "workers.dp.ghost", "workers.dp.grads"]
+    for name in libraries + (["opacus"] if method.startswith("opacus") else []):
+        importlib.import_module(name)  # before the memory baseline: imports are not the step
+
     cuda = device == "cuda"
     if threads:
         torch.set_num_threads(threads)
@@ -256,9 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["all_layer", "layer_wise", "param_wise"])
     parser.add_argument("--steps", type=int, default=3, help="least timed steps per column")
     parser.add_argument("--seconds", type=float, help="time steps until this long (default 3; "
-                        "quick 0.5)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own); "
-                        "1 is steadier on a shared machine, where waiting threads stall steps")
+                        "quick 0.3)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, "
+                        "quick: 1); 1 is steadier on a shared machine, where threads waiting "
+                        "for each other stall the steps")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per column")
     parser.add_argument("--max-gb", type=float, default=8.0,
@@ -270,7 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 3.0)
+    args.seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 3.0)
+    if args.quick and args.threads is None:
+        args.threads = 1
     if args.one:
         model_name, batch, method = args.one
         result = run_one(model_name, int(batch), method, args.device, args.steps, args.seconds,

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from service import ledger
 from service.auth import Principal
-from service.db import Dataset, Job, locked_dataset
+from service.db import Dataset, Job, begin_write, locked_dataset
 from service.orchestrator import JobState, Orchestrator, Submission
 from service.planning import PlannedJob
 from service.spec import JobSpec
@@ -108,6 +108,10 @@ def submit(session: Session, orchestrator: Orchestrator, job: Job, dataset: Data
         orchestrator.submit(submission)
     except Exception as error:
         apply_state(session, job.id, JobState.FAILED, f"submission failed: {error}")
+        return
+    begin_write(session)
+    session.get(Job, job.id).submitted_at = datetime.now(UTC)
+    session.commit()
 
 
 def refresh(session: Session, orchestrator: Orchestrator, job: Job) -> None:
@@ -119,33 +123,46 @@ def refresh(session: Session, orchestrator: Orchestrator, job: Job) -> None:
             apply_state(session, job.id, state)
 
 
-def reconcile(session: Session, orchestrator: Orchestrator) -> None:
-    """At start-up: bring every job the database believes active in line with the
-    orchestrator, settling those that ended while the service was down."""
+def reconcile(session: Session, orchestrator: Orchestrator, *, startup: bool = False) -> None:
+    """Bring every job the database believes active in line with the orchestrator, settling
+    those that ended (at start-up: while the service was down). Only submitted jobs are asked
+    about — an admitted job may be a moment away from its submission. At start-up a job
+    admitted but never submitted (the service stopped in between) fails, and since it never
+    ran, its whole reservation is released."""
     active = [JobState.QUEUED.value, JobState.RUNNING.value]
-    ids = list(session.execute(select(Job.id).where(Job.status.in_(active))).scalars())
-    for job_id, state in orchestrator.reconcile(ids).items():
+    query = select(Job.id, Job.submitted_at).where(Job.status.in_(active))
+    rows = session.execute(query).all()
+    submitted = [job_id for job_id, at in rows if at is not None]
+    for job_id, state in orchestrator.reconcile(submitted).items():
         apply_state(session, job_id, state)
+    if startup:
+        for job_id in (job_id for job_id, at in rows if at is None):
+            apply_state(session, job_id, JobState.FAILED, "never submitted: the service "
+                        "stopped before handing the job to the orchestrator")
 
 
 def apply_state(session: Session, job_id: int, state: JobState, error: str | None = None) -> None:
     """Record a state reported by the orchestrator; when the job has ended, settle its
-    ledger (:func:`service.ledger.settle`) in the same locked transaction."""
+    ledger (:func:`service.ledger.settle`) in the same locked transaction. A ``lost`` job is
+    recorded as failed with its whole reservation charged."""
     dataset_id = session.get(Job, job_id).dataset_id
     try:
         locked_dataset(session, dataset_id)
         job = session.get(Job, job_id, populate_existing=True)
-        if JobState(job.status).terminal or job.status == state or state == JobState.QUEUED:
-            session.commit()  # states only move forward: queued → running → ended
+        if JobState(job.status).terminal or job.status == state:
+            session.commit()
             return
         now = datetime.now(UTC)
         if state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
             job.started_at = now
-        job.status = state
+        lost = state == JobState.LOST
+        job.status = JobState.FAILED if lost else state
+        if lost:
+            error = "the orchestrator has no record of this job: its whole reservation is charged"
         job.error = error or job.error
         if state.terminal:
             job.finished_at = now
-            ledger.settle(session, job)
+            ledger.settle(session, job, charge_reservation=lost)
         session.commit()
     except BaseException:
         session.rollback()

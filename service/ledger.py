@@ -143,13 +143,18 @@ def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
     return entries
 
 
-def settle(session: Session, job: Job) -> None:
+def settle(session: Session, job: Job, *, charge_reservation: bool = False) -> None:
     """Finalize a terminated job's ledger: charge whatever ran, then release the rest of its
-    reservation — only what provably never touched data. Idempotent; the caller commits."""
+    reservation — only what provably never touched data. With ``charge_reservation`` (a job
+    whose fate is unknown) the rest is charged instead. Idempotent; the caller commits."""
     released = select(LedgerEntry.id).where(LedgerEntry.reference == release_reference(job))
     if session.execute(released).first() is not None:
         return
     left = _outstanding(charge_what_ran(session, job))[0]
+    if charge_reservation:
+        append(session, job, "charge", f"job:{job.id}:unaccounted", left,
+               "job lost: the rest of its reservation is charged")
+        left = np.zeros_like(left)
     append(session, job, "release", release_reference(job), left, "unused reservation")
 
 

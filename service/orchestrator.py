@@ -15,13 +15,19 @@ from typing import Any, Protocol
 class JobState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
-    SUCCEEDED = "succeeded"
+    SUCCEEDED = "succeeded"  # ran to the end, but released no model (no trial finished)
+    RELEASED = "released"  # ran to the end and released the best trial's model
     FAILED = "failed"
     CANCELLED = "cancelled"
+    #: reported by an orchestrator for a job it has no record of (e.g. the Ray cluster was
+    #: replaced while the service was down); recorded as ``failed`` with the job's whole
+    #: reservation charged, since what it touched is unknown
+    LOST = "lost"
 
     @property
     def terminal(self) -> bool:
-        return self in {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+        return self in {JobState.SUCCEEDED, JobState.RELEASED, JobState.FAILED,
+                        JobState.CANCELLED, JobState.LOST}
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,13 @@ class Submission:
 
 
 class Orchestrator(Protocol):
-    """Runs admitted jobs. Contract: a job's code reads the dataset only inside trial attempts
+    """Runs admitted jobs; ``dashboard_url`` is where an operator watches them, if anywhere.
+    Contract: a job's code reads the dataset only inside trial attempts
     recorded beforehand with :func:`service.trials.start_attempt` (which refuses attempts the
     reservation does not cover); the ledger charges exactly those attempts (invariant 3)."""
+
+    @property
+    def dashboard_url(self) -> str | None: ...
 
     def submit(self, submission: Submission) -> None:
         """Start the job (asynchronously). Called after its reservation is committed."""
@@ -62,6 +72,7 @@ class NullOrchestrator:
     cancelled. The default until a real orchestrator is configured."""
 
     cancelled: set[int] = field(default_factory=set)
+    dashboard_url: str | None = None
 
     def submit(self, submission: Submission) -> None:
         pass

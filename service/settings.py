@@ -24,6 +24,17 @@ class Settings(BaseSettings):
     """Bootstrap operator key. Unset: the first start creates one and prints it once."""
     max_body_bytes: int = Field(64 * 1024, gt=0)
     """Requests with a larger body are refused (413) before they are parsed."""
+    ray_address: str | None = None
+    """Dashboard/Jobs API URL of a Ray cluster (``http://head:8265``). Unset: ``dptune serve``
+    uses the local head on ``ray_dashboard_port``, starting one if none answers."""
+    ray_dashboard_port: int = Field(8265, gt=0, lt=65536)
+    ray_num_cpus: int | None = Field(None, gt=0)
+    """CPUs of a local head started by dptune (default: all)."""
+    ray_num_gpus: int | None = Field(None, ge=0)
+    """GPUs of a local head started by dptune (default: all that Ray detects)."""
+    poll_interval_s: float = Field(2.0, gt=0)
+    """How often the service asks the orchestrator about running jobs, so that jobs that end
+    are settled even if nobody asks about them."""
 
     @cached_property
     def data_path(self) -> Path:

@@ -143,7 +143,10 @@ class Privacy(Strict):
         }[self.accounting]
         method_fields = {"trials", "max_retries", "gamma", "expected_trials", "delta2", "mean",
                          "eta", "max_trials"}
-        for name in sorted((self.model_fields_set & method_fields) - allowed):
+        # a field counts as given when it differs from its default, so that a stored spec
+        # (dumped with every field) validates again
+        given = {n for n in method_fields if getattr(self, n) != type(self).model_fields[n].default}
+        for name in sorted(given - allowed):
             raise ValueError(f"privacy.{name}: not a parameter of accounting {self.accounting!r}")
         if self.accounting == "lt" and (self.gamma is None) == (self.expected_trials is None):
             raise ValueError("privacy.gamma: lt needs exactly one of gamma or expected_trials")

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from sqlalchemy.orm import Session
 
 from service import ledger
-from service.db import Artifact, Job, Trial, TrialAttempt, locked_dataset
+from service.db import Artifact, Job, Trial, TrialAttempt, begin_write, locked_dataset
 from service.orchestrator import JobState
 
 
@@ -78,6 +78,7 @@ def finish_attempt(
 ) -> None:
     """Record how an attempt ended. ``metrics`` items are ``{"name", "value", "epoch",
     "public"}``; ``score`` is the DP selection score."""
+    begin_write(session)
     attempt = session.get(TrialAttempt, attempt_id)
     trial = session.get(Trial, attempt.trial_id)
     attempt.status = status
@@ -99,6 +100,7 @@ def release_model(
 ) -> Artifact:
     """Store the selected trial's weights under DATA_DIR as safetensors (its trial config in
     the file's metadata, key ``config``) and release them."""
+    begin_write(session)
     trial = session.get(Trial, trial_id)
     relative = Path("artifacts") / f"job-{trial.job_id}.safetensors"
     path = data_dir / relative

@@ -25,10 +25,12 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from service import trials as records
-from service.db import Dataset, Job, Trial, create_db_engine
+from service.db import Dataset, Job, create_db_engine
+from service.jobs import apply_state
 from service.orchestrator import JobState
 from service.settings import Settings
-from workers.config import TrialConfig
+from service.spec import JobSpec
+from workers.config import DatasetConfig, TrialConfig
 from workers.search import Candidate, candidates, draw_trial_count
 from workers.trial import run_trial
 
@@ -64,22 +66,13 @@ class JobContext:
 
 
 def trial_config(ctx: JobContext, index: int) -> TrialConfig:
-    """The trial's config: the job's base settings, candidate ``index``'s hyperparameters and
-    the planned noise. The seed comes from OS entropy — it drives Poisson sampling and the DP
-    noise, which must stay secret from the analyst who chose the job's seed."""
-    spec = ctx.spec
-    config: dict[str, Any] = {
-        "dataset": {"source": ctx.dataset_source, "options": ctx.dataset_options},
-        "model": spec["model"], "method": spec["method"], "optimizer": spec["optimizer"],
-        "validation": spec["validation"], "epochs": spec["epochs"],
-        "batch_size": spec["batch_size"], "physical_batch_size": spec["physical_batch_size"],
-        "noise_multiplier": ctx.plan["noise_multiplier"], "delta": ctx.plan["delta"],
-        "seed": secrets.randbits(62), "device": "auto",
-    }
-    for path, value in ctx.candidates[index].items():
-        part, name = path.split(".")
-        config[part] = {**config[part], name: value}
-    return TrialConfig.model_validate(config)
+    """Candidate ``index`` with the job's planned noise. The seed comes from OS entropy: it
+    drives Poisson sampling and the DP noise, which must stay secret from the analyst who
+    chose the job's seed (that one only fixes the prior over candidates)."""
+    dataset = DatasetConfig(source=ctx.dataset_source, options=ctx.dataset_options)
+    return JobSpec.model_validate(ctx.spec).trial_config(
+        dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], ctx.candidates[index],
+        seed=secrets.randbits(62))
 
 
 def _maybe_crash() -> None:
@@ -93,9 +86,14 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     """The Ray Tune trainable: one attempt of trial ``config["index"]``."""
     index = int(config["index"])
     engine = ctx.engine()
-    with Session(engine) as session:
-        # Charged before any data is read; refused when the reservation does not cover it.
-        attempt_id = records.start_attempt(session, ctx.job_id, index, ctx.candidates[index])
+    try:
+        with Session(engine) as session:
+            # Charged before any data is read; refused when the reservation does not cover
+            # it (a cancelled job, retries used up): then the trial ends without touching data.
+            attempt_id = records.start_attempt(session, ctx.job_id, index, ctx.candidates[index])
+    except records.AttemptRefused as refused:
+        log.warning("trial %d not run: %s", index, refused)
+        return
     steps_run = 0
 
     def on_step(t: int, total: int) -> None:
@@ -146,21 +144,24 @@ def _load(job_id: int, settings: Settings) -> JobContext:
                           dataset.source, dataset.options, cands)
 
 
-def _release_best(ctx: JobContext) -> None:
-    """Release the best finished trial by its DP selection score (invariant 5)."""
+def _release_best(ctx: JobContext) -> JobState:
+    """Release the best finished trial by its DP selection score (invariant 5); the other
+    trials' weights are deleted (not DP outputs anyone should keep)."""
     sign = 1 if ctx.spec["selection"]["mode"] == "max" else -1
     with Session(ctx.engine()) as session:
         job = session.get(Job, ctx.job_id)
-        done: list[Trial] = [t for t in job.trials if t.status == "succeeded"
-                             and t.score is not None]
+        done = {t.index: (t.id, t.score) for t in job.trials
+                if t.status == "succeeded" and t.score is not None}
         if not done:
             log.warning("no trial finished: nothing to release")
-            return
-        best = max(done, key=lambda t: sign * t.score)
-        tensors = {k: v.numpy() for k, v in load_file(str(ctx.weights_path(best.index))).items()}
-        config = trial_config(ctx, best.index).model_dump(mode="json")
-        config.pop("seed")
-        records.release_model(session, ctx.data_dir, best.id, tensors, config)
+            return JobState.SUCCEEDED
+        best = max(done, key=lambda index: sign * done[index][1])
+        tensors = {k: v.numpy() for k, v in load_file(str(ctx.weights_path(best))).items()}
+        config = trial_config(ctx, best).model_dump(mode="json", exclude={"seed"})
+        records.release_model(session, ctx.data_dir, done[best][0], tensors, config)
+    for index in done:
+        ctx.weights_path(index).unlink(missing_ok=True)
+    return JobState.RELEASED
 
 
 def run_job(job_id: int, settings: Settings) -> JobState:
@@ -180,8 +181,10 @@ def run_job(job_id: int, settings: Settings) -> JobState:
             ),
         )
         tuner.fit()
-    _release_best(ctx)
-    return JobState.SUCCEEDED
+    state = _release_best(ctx)
+    with Session(ctx.engine()) as session:
+        apply_state(session, job_id, state)  # settles the ledger: unused reservation back
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:

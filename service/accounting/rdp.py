@@ -48,14 +48,18 @@ def rdp_curve(sample_rate: float, noise_multiplier: float, steps: int) -> np.nda
     mechanism with rate q and noise multiplier σ (noise std / L2 sensitivity).
 
     Computed by dp-accounting (Mironov, Talwar, Zhang 2019, "Rényi DP of the Sampled Gaussian
-    Mechanism", §3.3), composed over T steps by addition. For q = 1 this is the plain Gaussian
-    mechanism, T·α/(2σ²).
+    Mechanism", §3.3), composed over T steps by addition. Where dp-accounting's fractional-order
+    series does not converge it returns +inf; we cap every order at the unsampled Gaussian's
+    α/(2σ²) instead, a valid bound because the subsampled mechanism's output is a mixture of
+    Gaussians and the Rényi divergence is quasi-convex (van Erven & Harremoës 2014, Thm. 13).
+    The curve stays finite, so ledger arithmetic (reserved − charged) never meets inf − inf.
+    For q = 1 this is exactly the Gaussian mechanism, T·α/(2σ²).
     """
     q = checks.sample_rate(sample_rate)
     sigma = checks.positive("noise_multiplier", noise_multiplier)
     t = checks.count("steps", steps)
     step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
-    return _accountant_curve(dp_event.SelfComposedDpEvent(step, t))
+    return t * np.minimum(_accountant_curve(step), gaussian_rdp(sigma))
 
 
 def gaussian_rdp(noise_multiplier: float) -> np.ndarray:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import sessionmaker
 
 from service import jobs
@@ -17,12 +20,33 @@ from service.db import create_db_engine, upgrade
 from service.orchestrator import NullOrchestrator, Orchestrator
 from service.settings import Settings
 
+log = logging.getLogger(__name__)
+
+
+def _poll(sessions: sessionmaker, orchestrator: Orchestrator) -> None:
+    with sessions() as session:
+        jobs.reconcile(session, orchestrator)
+
+
+async def _keep_polling(sessions: sessionmaker, orchestrator: Orchestrator,
+                        interval: float) -> None:
+    """Settle jobs that end while nobody asks about them (no job stays "running" forever)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await run_in_threadpool(_poll, sessions, orchestrator)
+        except Exception:
+            log.exception("polling the orchestrator failed; trying again")
+
 
 def create_app(
-    settings: Settings | None = None, orchestrator: Orchestrator | None = None
+    settings: Settings | None = None,
+    orchestrator: Orchestrator | None = None,
+    poll_interval: float | None = None,
 ) -> FastAPI:
     """Build the API. Without an ``orchestrator`` jobs are admitted and charged but never run
-    (:class:`~service.orchestrator.NullOrchestrator`)."""
+    (:class:`~service.orchestrator.NullOrchestrator`). With ``poll_interval`` the app asks the
+    orchestrator about active jobs that often, and settles those that ended."""
     settings = settings or Settings()
     orchestrator = orchestrator or NullOrchestrator()
 
@@ -37,13 +61,17 @@ def create_app(
             secret = bootstrap_operator(
                 session, configured.get_secret_value() if configured else None
             )
-            jobs.reconcile(session, orchestrator)
+            jobs.reconcile(session, orchestrator, startup=True)
         if secret is not None:
             print(f"dptune: created the operator key (shown once): {secret}", flush=True)
         app.state.settings = settings
         app.state.sessions = sessions
         app.state.orchestrator = orchestrator
+        poller = (asyncio.create_task(_keep_polling(sessions, orchestrator, poll_interval))
+                  if poll_interval else None)
         yield
+        if poller is not None:
+            poller.cancel()
         engine.dispose()
 
     app = FastAPI(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import FileResponse
@@ -28,6 +28,15 @@ from service.spec import JobSpec
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
+class Progress(BaseModel):
+    """How far a job is. Under random stopping (lt, ps) analysts see ``"random"`` totals and
+    no count of trials done: the number of trials is not a DP output (invariant 4)."""
+
+    trials_done: int | None
+    trials_total: int | Literal["random"]
+    best_score: float | None  # best DP selection score visible to the caller so far
+
+
 class JobOut(BaseModel):
     id: int
     dataset: int
@@ -40,6 +49,8 @@ class JobOut(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None = None  # operator only: may quote private data
+    progress: Progress
+    dashboard_url: str | None = None  # operator only
 
 
 class TrialOut(BaseModel):
@@ -55,12 +66,26 @@ class TrialOut(BaseModel):
     attempts: list[dict[str, Any]] | None = None
 
 
-def job_out(job: Job, caller: Principal) -> JobOut:
+def progress(job: Job, caller: Principal) -> Progress:
+    visible = visible_trials(job, caller)
+    scores = [t.score for t in visible if t.score is not None]
+    best = (max if job.spec["selection"]["mode"] == "max" else min)(scores) if scores else None
+    fixed = job.accounting == "rdp"
+    done = sum(t.status in ("succeeded", "failed") for t in job.trials)
+    return Progress(
+        trials_done=done if fixed or caller.is_operator else None,
+        trials_total=job.plan["trials"]["max"] if fixed else "random",
+        best_score=best,
+    )
+
+
+def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> JobOut:
     return JobOut(
         id=job.id, dataset=job.dataset_id, status=job.status, accounting=job.accounting,
         plan=job.plan, spec=job.spec, released=job.artifact is not None,
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        error=job.error if caller.is_operator else None,
+        error=job.error if caller.is_operator else None, progress=progress(job, caller),
+        dashboard_url=dashboard_url if caller.is_operator else None,
     )
 
 
@@ -143,7 +168,7 @@ def get_job(
 ) -> JobOut:
     job = visible_job(session, caller, job_id)
     jobs.refresh(session, orchestrator, job)
-    return job_out(session.get(Job, job_id), caller)
+    return job_out(session.get(Job, job_id), caller, orchestrator.dashboard_url)
 
 
 @router.get("/{job_id}/trials")

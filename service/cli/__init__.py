@@ -2,7 +2,7 @@
 
 import typer
 
-from service.cli.account import account
+from service.cli import account, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -13,4 +13,5 @@ def main() -> None:
     per-dataset privacy budget."""
 
 
-app.command()(account)
+app.command()(account.account)
+app.command()(serve.serve)

@@ -1,18 +1,22 @@
 """Each admitted tuning job runs as one Ray job whose entrypoint is the driver
 ``python -m workers.job <id>`` (Ray Tune inside); the dashboard's Jobs view shows it, with its
-logs, under the submission id ``dptune-job-<id>``."""
+logs, under the submission id ``dptune-<db>-job-<id>`` (``<db>`` tells apart the databases
+that share a cluster: job ids are only unique within one)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from service.cluster.head import RayConnection
+from service.cluster.head import RayConnection, connect
 from service.orchestrator import JobState, Submission
+from service.settings import Settings
 
 _STATES = {
     JobStatus.PENDING: JobState.QUEUED,
@@ -21,10 +25,6 @@ _STATES = {
     JobStatus.SUCCEEDED: JobState.SUCCEEDED,
     JobStatus.FAILED: JobState.FAILED,
 }
-
-
-def submission_id(job_id: int) -> str:
-    return f"dptune-job-{job_id}"
 
 
 @dataclass
@@ -41,13 +41,18 @@ class RayOrchestrator:
         self.client = JobSubmissionClient(self.connection.dashboard_url,
                                           headers=self.connection.headers)
 
+    def submission_id(self, job_id: int) -> str:
+        database = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
+        return f"dptune-{database}-job-{job_id}"
+
     def submit(self, submission: Submission) -> None:
         self.client.submit_job(
             entrypoint=f"{sys.executable} -m workers.job {submission.job_id}",
-            submission_id=submission_id(submission.job_id),
+            submission_id=self.submission_id(submission.job_id),
             metadata={"dptune_job": str(submission.job_id),
                       "dataset": submission.dataset_source},
             runtime_env={"env_vars": {
+                **{k: v for k, v in os.environ.items() if k.startswith("DPTUNE_")},
                 "DPTUNE_DATABASE_URL": self.database_url,
                 "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
                 "PYTHONUNBUFFERED": "1",
@@ -56,16 +61,30 @@ class RayOrchestrator:
 
     def status(self, job_id: int) -> JobState:
         try:
-            return _STATES[self.client.get_job_status(submission_id(job_id))]
+            return _STATES[self.client.get_job_status(self.submission_id(job_id))]
         except RuntimeError:  # the Jobs API answers 404 for a job it does not know: lost
-            return JobState.FAILED
+            return JobState.LOST
 
     def cancel(self, job_id: int) -> None:
         with contextlib.suppress(RuntimeError):  # already gone: nothing left to stop
-            self.client.stop_job(submission_id(job_id))
+            self.client.stop_job(self.submission_id(job_id))
+
+    @property
+    def dashboard_url(self) -> str:
+        return self.connection.dashboard_url
 
     def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
         return {job_id: self.status(job_id) for job_id in job_ids}
 
     def logs(self, job_id: int) -> str:
-        return self.client.get_job_logs(submission_id(job_id))
+        return self.client.get_job_logs(self.submission_id(job_id))
+
+
+def ray_orchestrator(settings: Settings) -> RayOrchestrator:
+    """Connect to the configured Ray cluster, or the local head (started if none answers).
+    A local head outlives the service on purpose: running jobs carry on across a restart and
+    are reconciled when it comes back (``ray stop`` ends it)."""
+    settings.data_path.mkdir(parents=True, exist_ok=True)
+    connection = connect(settings.data_path, settings.ray_address, settings.ray_dashboard_port,
+                         settings.ray_num_cpus, settings.ray_num_gpus)
+    return RayOrchestrator(connection, settings.sqlalchemy_url, settings.data_path)

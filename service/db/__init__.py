@@ -1,6 +1,6 @@
 """Database: typed models, engine set-up, migrations and the budget lock."""
 
-from service.db.engine import create_db_engine, locked_dataset, upgrade
+from service.db.engine import begin_write, create_db_engine, locked_dataset, upgrade
 from service.db.models import (
     ApiKey,
     Artifact,
@@ -21,6 +21,7 @@ __all__ = [
     "LedgerEntry",
     "Trial",
     "TrialAttempt",
+    "begin_write",
     "create_db_engine",
     "locked_dataset",
     "upgrade",

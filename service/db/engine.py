@@ -44,16 +44,23 @@ def create_db_engine(url: str) -> Engine:
     return engine
 
 
-def locked_dataset(session: Session, dataset_id: int) -> Dataset | None:
-    """Begin the session's transaction holding the budget lock of a dataset and return it.
+def begin_write(session: Session) -> None:
+    """Begin the session's transaction as a writer. On SQLite that is ``BEGIN IMMEDIATE``: a
+    deferred transaction that reads and then writes fails at once with "database is locked"
+    when another process (a trial, the job driver) holds the write lock, instead of waiting.
 
     The lock is taken as a transaction begins, so a read-only transaction in progress is
     ended first; pending writes there would be a bug and raise.
     """
     if session.new or session.dirty or session.deleted:
-        raise RuntimeError("locked_dataset: the session has unflushed changes")
+        raise RuntimeError("begin_write: the session has unflushed changes")
     session.commit()
     session.connection(execution_options={_IMMEDIATE: True})
+
+
+def locked_dataset(session: Session, dataset_id: int) -> Dataset | None:
+    """Begin a write transaction holding the budget lock of a dataset and return it."""
+    begin_write(session)
     query = select(Dataset).where(Dataset.id == dataset_id).with_for_update()
     return session.execute(query).scalar_one_or_none()
 

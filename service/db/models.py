@@ -108,6 +108,7 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
+    submitted_at: Mapped[datetime | None] = mapped_column(Timestamp())  # handed to the orchestrator
     started_at: Mapped[datetime | None] = mapped_column(Timestamp())
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp())
 

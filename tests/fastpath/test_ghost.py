@@ -98,7 +98,7 @@ class Mlp(nn.Module):
         return self.fc2(self.fc1(x).relu_())
 
 
-class Sequence(nn.Module):
+class SequenceModel(nn.Module):
     """Embedding (padding_idx) → LayerNorm → Linear on [B, T, d], one layer on each side of the
     ghost/instantiate rule (2T² ≤ p·d), plus a LayerNorm without bias."""
 
@@ -209,7 +209,7 @@ def test_sequence_layers_match_reference(style_name: str) -> None:
     torch.manual_seed(0)
     x, y = data("ids")
     x[:, 0] = 0  # padding_idx positions receive no gradient
-    check(Sequence(6), x, y, style_name)
+    check(SequenceModel(6), x, y, style_name)
 
 
 @pytest.mark.parametrize("style_name", STYLES)
@@ -223,7 +223,7 @@ def test_chunked_norms_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ghost_layers, "CHUNK_ELEMENTS", 64)
     torch.manual_seed(0)
     check(Convs(), *data("image"), "layer_wise")
-    check(Sequence(6), *data("ids"), "all_layer")
+    check(SequenceModel(6), *data("ids"), "all_layer")
 
 
 @pytest.mark.parametrize("ghost", [True, False])
@@ -233,7 +233,7 @@ def test_ghost_and_instantiated_norms_both_match(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: ghost)
     torch.manual_seed(0)
     check(Convs(), *data("image"), "param_wise")
-    check(Sequence(6), *data("ids"), "layer_wise")
+    check(SequenceModel(6), *data("ids"), "layer_wise")
     check(Shared(), *data("dense"), "all_layer")
 
 
@@ -276,7 +276,7 @@ def test_shared_layer_sums_its_calls() -> None:
 def test_matches_general_path() -> None:
     general = pytest.importorskip("workers.dp.grads")
     torch.manual_seed(0)
-    for model, (x, y) in [(Convs(), data("image")), (Sequence(6), data("ids"))]:
+    for model, (x, y) in [(Convs(), data("image")), (SequenceModel(6), data("ids"))]:
         for style_name in STYLES:
             groups = style(model, style_name)
             norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))

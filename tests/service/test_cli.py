@@ -6,10 +6,13 @@ import typer
 from typer.testing import CliRunner
 
 from service.cli.serve import serve
+from service.orchestrator import NullOrchestrator
 
 
 def test_serve_command(monkeypatch):
     calls = []
+    monkeypatch.setattr("service.cli.serve.ray_orchestrator",
+                        lambda settings: NullOrchestrator(dashboard_url="http://ray:8265"))
     monkeypatch.setattr("service.cli.serve.uvicorn.run",
                         lambda app, host, port: calls.append((type(app).__name__, host, port)))
     app = typer.Typer()

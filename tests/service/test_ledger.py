@@ -163,6 +163,8 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
 class ReportsFailed:
     """An orchestrator that, after a restart, reports every job failed."""
 
+    dashboard_url = None
+
     def submit(self, submission) -> None: ...
     def status(self, job_id: int) -> JobState: return JobState.FAILED
     def cancel(self, job_id: int) -> None: ...

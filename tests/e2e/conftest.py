@@ -1,0 +1,105 @@
+"""End to end on a real Ray: one local head for the whole session (2 CPUs, token auth on, its
+own dashboard port), the API on a real SQLite file, jobs submitted as Ray jobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.api import create_app
+from service.cluster import RayConnection, RayOrchestrator, connect
+from service.settings import Settings
+
+OPERATOR = {"Authorization": "Bearer dpt_e2e-operator-key-0123456789"}
+TEST_DASHBOARD_PORT = 8275
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayConnection]:
+    connection = connect(tmp_path_factory.mktemp("ray"), dashboard_port=TEST_DASHBOARD_PORT,
+                         num_cpus=2, num_gpus=0)
+    yield connection
+    connection.stop()
+
+
+@dataclass
+class Service:
+    client: TestClient
+    orchestrator: RayOrchestrator
+    settings: Settings
+
+    def post(self, path: str, body: dict[str, Any], headers: dict[str, str] = OPERATOR) -> Any:
+        r = self.client.post(path, headers=headers, json=body)
+        assert r.status_code in (200, 201, 202), r.text
+        return r.json()
+
+    def get(self, path: str, headers: dict[str, str] = OPERATOR) -> Any:
+        r = self.client.get(path, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait(self, job_id: int, until: Callable[[dict], bool] | None = None,
+             timeout: float = 240) -> dict:
+        """Poll the job until ``until(job)`` (default: it has ended)."""
+        until = until or (lambda j: j["status"] not in ("queued", "running"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.get(f"/v1/jobs/{job_id}")
+            if until(job):
+                return job
+            time.sleep(1)
+        raise AssertionError(f"job {job_id} still {job['status']}:\n"
+                             f"{self.orchestrator.logs(job_id)[-4000:]}")
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def start_service(ray_head: RayConnection, data_dir: Path):
+    @contextmanager
+    def start() -> Iterator[Service]:
+        settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
+        settings.data_path.mkdir(parents=True, exist_ok=True)
+        orchestrator = RayOrchestrator(ray_head, settings.sqlalchemy_url, settings.data_path)
+        with TestClient(create_app(settings, orchestrator, poll_interval=1.0)) as client:
+            yield Service(client, orchestrator, settings)
+
+    return start
+
+
+@pytest.fixture
+def service(start_service) -> Iterator[Service]:
+    with start_service() as s:
+        yield s
+
+
+def small_job(dataset: int, accounting: str = "rdp", **privacy: Any) -> dict[str, Any]:
+    """Logistic regression on digits, one epoch per trial, public validation."""
+    return {
+        "dataset": dataset,
+        "model": {"name": "logreg"},
+        "method": {"clipping": "abadi", "threshold": 1.0},
+        "optimizer": {"name": "sgd", "lr": 0.5},
+        "validation": {"split": "public"},
+        "epochs": 1,
+        "batch_size": 64,
+        "search_space": ({"method.threshold": {"grid": [0.5, 2.0]}} if accounting == "rdp"
+                         else {"method.threshold": {"values": [0.5, 1.0, 2.0]}}),
+        "privacy": {"epsilon": 2.0, "accounting": accounting, **privacy},
+    }
+
+
+@pytest.fixture
+def digits(service: Service) -> int:
+    return service.post("/v1/datasets", {"name": "digits", "source": "builtin:digits",
+                                         "epsilon": 10.0, "delta": 1e-5})["id"]

@@ -1,0 +1,197 @@
+"""POST → trials on Ray → charged ε → released model → budget, with a real Ray cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from service.accounting import epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_epsilon
+from service.api import create_app
+from service.orchestrator import JobState
+from workers.config import TrialConfig
+from workers.data import load_dataset
+from workers.metrics import evaluate
+from workers.models import build_model
+
+from .conftest import OPERATOR, small_job
+
+
+def charged(budget: dict) -> list[dict]:
+    return [e for e in budget["entries"] if e["kind"] == "charge"]
+
+
+def composed_trials(plan: dict, trials: int) -> float:
+    """The ε of ``trials`` trials of the plan, recomputed from the plan's numbers alone."""
+    return tuning_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
+                          plan["delta"], "rdp", trials=trials)
+
+
+def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits, ray_head,
+                                                                 tmp_path) -> None:
+    job = service.post("/v1/jobs", small_job(digits))
+    plan = job["plan"]
+    assert plan["trials"]["max"] == 2
+    done = service.wait(job["id"])
+    assert done["status"] == "released", service.orchestrator.logs(job["id"])[-5000:]
+    assert done["dashboard_url"] == ray_head.dashboard_url
+
+    trials = service.get(f"/v1/jobs/{job['id']}/trials")
+    assert sorted(t["params"]["method.threshold"] for t in trials) == [0.5, 2.0]
+    assert all(t["status"] == "succeeded" and len(t["attempts"]) == 1 for t in trials)
+    best = max(trials, key=lambda t: t["score"])
+    assert best["released"] and sum(t["released"] for t in trials) == 1
+    assert done["progress"] == {"trials_done": 2, "trials_total": 2, "best_score": best["score"]}
+
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    assert len(charged(budget)) == 2
+    assert budget["spent"] == pytest.approx(composed_trials(plan, 2), rel=1e-9)
+    assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    assert budget["spent"] <= 2.0
+    assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
+    assert budget["remaining"] == pytest.approx(10.0 - budget["spent"])
+
+    response = service.client.get(f"/v1/jobs/{job['id']}/model", headers=OPERATOR)
+    assert response.status_code == 200
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(response.content)
+    with safe_open(str(path), "pt") as f:
+        config = TrialConfig.model_validate_json(f.metadata()["config"])
+        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert config.method.threshold == best["params"]["method.threshold"]
+    assert config.noise_multiplier == plan["noise_multiplier"]
+    data = load_dataset(config.dataset)
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        accuracy = evaluate(model, data.x_val, data.y_val).accuracy
+    assert accuracy == pytest.approx(best["score"], abs=1e-6)  # the released model itself
+
+    info = service.orchestrator.client.get_job_info(
+        service.orchestrator.submission_id(job["id"]))
+    assert info.metadata["dptune_job"] == str(job["id"])
+
+
+def test_a_retried_attempt_is_charged_too(service, digits, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("DPTUNE_CRASH_ONCE_FILE", str(tmp_path / "crashed"))
+    job = service.post("/v1/jobs", small_job(digits, max_retries=1))
+    done = service.wait(job["id"])
+    assert (tmp_path / "crashed").exists()
+    assert done["status"] == "released"
+    trials = service.get(f"/v1/jobs/{job['id']}/trials")
+    attempts = sorted(len(t["attempts"]) for t in trials)
+    assert attempts == [1, 2]
+    crashed = next(t for t in trials if len(t["attempts"]) == 2)
+    assert crashed["attempts"][0]["status"] == "failed"
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    assert len(charged(budget)) == 3
+    assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 3), rel=1e-9)
+    assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("privacy", [
+    {"accounting": "lt", "expected_trials": 2},
+    {"accounting": "ps", "mean": 2, "eta": 1},
+])
+def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
+        service, digits, privacy) -> None:
+    analyst = {"Authorization": "Bearer " + service.post(
+        "/v1/keys", {"name": "ana", "role": "analyst", "datasets": [digits]})["secret"]}
+    accounting = privacy.pop("accounting")
+    job = service.post("/v1/jobs", small_job(digits, accounting, **privacy), headers=analyst)
+    plan = job["plan"]
+    done = service.wait(job["id"])
+    assert done["status"] in ("released", "succeeded")
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)  # the bound, whatever K
+    assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
+    if accounting == "lt":  # ε = 3ε₁ + 3√(2δ₁), ε₁ from the trial's curve
+        delta1 = ((plan["delta"] - plan["params"]["delta2"]) /
+                  (3 * plan["trials"]["max"])) ** 2 / 2
+        eps1 = epsilon_from_rdp(rdp_curve(plan["sample_rate"], plan["noise_multiplier"],
+                                          plan["steps"]), delta1)[0]
+        assert plan["epsilon"] == pytest.approx(3 * eps1 + 3 * (2 * delta1) ** 0.5)
+
+    seen = service.get(f"/v1/jobs/{job['id']}", headers=analyst)
+    assert seen["progress"]["trials_total"] == "random"
+    assert seen["progress"]["trials_done"] is None
+    assert seen["dashboard_url"] is None
+    trials = service.get(f"/v1/jobs/{job['id']}/trials", headers=analyst)
+    if done["status"] == "released":
+        (trial,) = trials
+        assert trial["released"] and trial["index"] is None and trial["attempts"] is None
+        assert all(m["public"] for m in trial["metrics"])
+        assert service.client.get(f"/v1/jobs/{job['id']}/model",
+                                  headers=analyst).status_code == 200
+    else:  # Poisson drew K = 0: nothing ran, nothing to show
+        assert trials == []
+
+
+def test_cancel_charges_what_ran(service, digits) -> None:
+    spec = small_job(digits)
+    spec["epochs"] = 30
+    job = service.post("/v1/jobs", spec)
+    service.wait(job["id"], until=lambda j: service.get(f"/v1/jobs/{j['id']}/trials") != [])
+    service.post(f"/v1/jobs/{job['id']}/cancel", {})
+    done = service.wait(job["id"])
+    assert done["status"] == "cancelled"
+    attempts = sum(len(t["attempts"]) for t in service.get(f"/v1/jobs/{job['id']}/trials"))
+    assert attempts >= 1
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    assert len(charged(budget)) == attempts
+    assert budget["spent"] == pytest.approx(composed_trials(job["plan"], attempts), rel=1e-9)
+    assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
+    assert service.client.get(f"/v1/jobs/{job['id']}/model", headers=OPERATOR).status_code == 409
+
+
+def test_restart_reconciles_a_job_stopped_while_the_service_was_down(start_service) -> None:
+    with start_service() as first:
+        dataset = first.post("/v1/datasets", {"name": "digits", "source": "builtin:digits",
+                                              "epsilon": 10.0, "delta": 1e-5})["id"]
+        spec = small_job(dataset)
+        spec["epochs"] = 30
+        job = first.post("/v1/jobs", spec)
+        first.wait(job["id"], until=lambda j: first.get(f"/v1/jobs/{j['id']}/trials") != [])
+        orchestrator = first.orchestrator
+    # the service is down; the operator stops the Ray job from the dashboard
+    orchestrator.cancel(job["id"])
+    deadline = time.monotonic() + 120
+    while orchestrator.status(job["id"]) != JobState.CANCELLED:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    with start_service() as second:
+        done = second.get(f"/v1/jobs/{job['id']}")
+        assert done["status"] == "cancelled"
+        attempts = sum(len(t["attempts"])
+                       for t in second.get(f"/v1/jobs/{job['id']}/trials"))
+        budget = second.get(f"/v1/datasets/{dataset}/budget")
+        assert len(charged(budget)) == attempts >= 1
+        assert budget["spent"] == pytest.approx(composed_trials(job["plan"], attempts),
+                                                rel=1e-9)
+        assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_job_lost_by_ray_is_failed_and_charged_in_full(start_service, data_dir) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.settings import Settings
+
+    settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
+    with TestClient(create_app(settings)) as client:  # never submitted to Ray
+        dataset = client.post("/v1/datasets", headers=OPERATOR, json={
+            "name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5}).json()
+        spec = small_job(dataset["id"])
+        spec["validation"] = {"split": "private", "noise": 10.0}
+        job = client.post("/v1/jobs", headers=OPERATOR, json=spec).json()
+    with start_service() as service:
+        done = service.get(f"/v1/jobs/{job['id']}")
+        assert done["status"] == "failed"
+        assert "no record" in done["error"]
+        budget = service.get(f"/v1/datasets/{dataset['id']}/budget")
+        plan = job["plan"]
+        trial = rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
+        expected = epsilon_from_rdp(2 * (trial + gaussian_rdp(10.0)), plan["delta"])[0]
+        assert budget["spent"] == pytest.approx(expected, rel=1e-9)
+        assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
