@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dptune account --dataset-size 1797 --batch-size 64 --epochs 20 --target-epsilon 3 --trials 10
+	$(VENV)/bin/dptune demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

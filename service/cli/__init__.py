@@ -2,7 +2,7 @@
 
 import typer
 
-from service.cli import account, serve
+from service.cli import account, demo, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -15,3 +15,4 @@ def main() -> None:
 
 app.command()(account.account)
 app.command()(serve.serve)
+app.command()(demo.demo)

@@ -1,0 +1,195 @@
+"""``dptune demo``: the whole product on embedded defaults, in a few minutes on a laptop.
+
+It starts the service (SQLite + a local Ray head with its dashboard), registers scikit-learn's
+digits with a privacy budget, submits two tuning jobs — DP-SGD with a grid over the clipping
+threshold, and DC-SGD-E — shows their progress live, then prints what an operator would want
+to know: every trial, what each job was charged, the budget left, the released models.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+import uvicorn
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from service.accounting import tuning_epsilon
+from service.api import create_app
+from service.cluster import ray_orchestrator
+from service.settings import Settings
+
+BUDGET = {"epsilon": 8.0, "delta": 1e-5}
+BASE: dict[str, Any] = {
+    "model": {"name": "mlp"},
+    "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.5},
+    "validation": {"split": "public"},
+    "epochs": 4,
+    "batch_size": 128,
+}
+JOBS = {
+    "DP-SGD, grid over the clipping threshold": {
+        **BASE,
+        "method": {"clipping": "abadi"},
+        "search_space": {"method.threshold": {"grid": [0.1, 1.0, 5.0]}},
+        "privacy": {"epsilon": 2.0, "accounting": "rdp"},
+    },
+    "DC-SGD-E (dynamic clipping, paper 001)": {
+        **BASE,
+        "method": {"clipping": "abadi", "adaptive": {"rule": "dcsgd_e", "histogram_noise": 10}},
+        "privacy": {"epsilon": 2.0, "accounting": "rdp"},
+    },
+}
+ACTIVE = ("queued", "running")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh(data_dir: Path) -> None:
+    """Start from an empty data dir, but never wipe one that is not a previous demo's."""
+    if data_dir.exists():
+        if any(data_dir.iterdir()) and not (data_dir / ".dptune-demo").exists():
+            raise typer.BadParameter(f"{data_dir} exists and is not a dptune demo directory",
+                                     param_hint="--data-dir")
+        shutil.rmtree(data_dir)
+    data_dir.mkdir(parents=True)
+    (data_dir / ".dptune-demo").touch()
+
+
+class _Server(threading.Thread):
+    def __init__(self, app: Any, port: int) -> None:
+        super().__init__(daemon=True)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+
+    def run(self) -> None:
+        self.server.run()
+
+    def __enter__(self) -> _Server:
+        self.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.should_exit = True
+        self.join(timeout=30)
+
+
+def _watch(api: httpx.Client, jobs: dict[str, dict], console: Console) -> dict[str, dict]:
+    """Live progress of every job until all have ended."""
+    columns = (TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total} trials"),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        tasks = {name: progress.add_task(name, total=job["progress"]["trials_total"],
+                                         status=job["status"]) for name, job in jobs.items()}
+        while any(job["status"] in ACTIVE for job in jobs.values()):
+            time.sleep(1)
+            for name, job in jobs.items():
+                jobs[name] = job = api.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+                best = job["progress"]["best_score"]
+                status = job["status"] + (f", best {best:.3f}" if best is not None else "")
+                progress.update(tasks[name], completed=job["progress"]["trials_done"],
+                                status=status)
+    return jobs
+
+
+def _trial_table(api: httpx.Client, name: str, job: dict) -> Table:
+    table = Table(title=f"job {job['id']}: {name} — {job['status']}")
+    for column in ("trial", "hyperparameters", "attempts", "steps", "val. accuracy", ""):
+        table.add_column(column)
+    for t in api.get(f"/v1/jobs/{job['id']}/trials").raise_for_status().json():
+        params = ", ".join(f"{k} = {v}" for k, v in t["params"].items()) or "(defaults)"
+        score = "—" if t["score"] is None else f"{t['score']:.3f}"
+        table.add_row(str(t["index"]), params, str(len(t["attempts"])), str(t["steps"]), score,
+                      "released" if t["released"] else "")
+    return table
+
+
+def _charged(api: httpx.Client, job: dict) -> float:
+    """ε charged to the job: its trial attempts composed (every attempt that touched data)."""
+    attempts = sum(len(t["attempts"]) for t in api.get(f"/v1/jobs/{job['id']}/trials").json())
+    plan = job["plan"]
+    if attempts == 0:
+        return 0.0
+    return tuning_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
+                          plan["delta"], "rdp", trials=attempts)
+
+
+def _summary(api: httpx.Client, jobs: dict[str, dict], dataset: int, data_dir: Path,
+             console: Console) -> None:
+    for name, job in jobs.items():
+        console.print(_trial_table(api, name, job))
+    budget = api.get(f"/v1/datasets/{dataset}/budget").raise_for_status().json()
+    table = Table(title="privacy budget of dataset 'digits'")
+    for column in ("job", "planned ε", "charged ε", "released model"):
+        table.add_column(column)
+    for name, job in jobs.items():
+        model = "—"
+        if job["released"]:
+            path = data_dir / "models" / f"job-{job['id']}.safetensors"
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(api.get(f"/v1/jobs/{job['id']}/model").raise_for_status().content)
+            model = str(path)
+        table.add_row(f"{job['id']}: {name}", f"{job['plan']['epsilon']:.3f}",
+                      f"{_charged(api, job):.3f}", model)
+    console.print(table)
+    console.print(f"dataset budget ε = {budget['epsilon']:g} at δ = {budget['delta']:g}: "
+                  f"spent {budget['spent']:.3f} (composed over both jobs), "
+                  f"remaining [bold]{budget['remaining']:.3f}[/bold]")
+
+
+def demo(
+    data_dir: Annotated[Path, typer.Option(help="Demo data (wiped at start).")] = Path(
+        ".dptune-demo"),
+    keep_ray: Annotated[bool, typer.Option(
+        help="Leave the local Ray head running (to browse the dashboard afterwards).")] = False,
+) -> None:
+    """Run the product end to end on embedded defaults: service, local Ray, two tuning jobs on
+    scikit-learn's digits, their charges and the released models."""
+    console = Console()
+    _fresh(data_dir)
+    key = f"dpt_demo-{secrets.token_urlsafe(16)}"
+    settings = Settings(data_dir=data_dir, operator_key=key)
+    console.print("Starting a local Ray head (dashboard on 127.0.0.1) …")
+    orchestrator = ray_orchestrator(settings)
+    app = create_app(settings, orchestrator, settings.poll_interval_s)
+    port = _free_port()
+    try:
+        with _Server(app, port), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                                              headers={"Authorization": f"Bearer {key}"}) as api:
+            console.print(f"dptune API on http://127.0.0.1:{port} (docs at /docs), "
+                          f"Ray dashboard at {orchestrator.dashboard_url}")
+            dataset = api.post("/v1/datasets", json={"name": "digits", "source": "builtin:digits",
+                                                     **BUDGET}).raise_for_status().json()
+            console.print(f"Registered digits: N = {dataset['n']}, {dataset['num_classes']} "
+                          f"classes, budget ε = {BUDGET['epsilon']} at δ = {BUDGET['delta']}")
+            jobs = {}
+            for name, spec in JOBS.items():
+                job = api.post("/v1/jobs", json={"dataset": dataset["id"], **spec})
+                jobs[name] = job.raise_for_status().json()
+                plan = jobs[name]["plan"]
+                console.print(
+                    f"Submitted job {jobs[name]['id']} ({name}): {plan['trials']['max']} "
+                    f"trial(s), σ = {plan['noise_multiplier']:.3f}, q = {plan['sample_rate']:.4f}"
+                    f", {plan['steps']} steps per trial, ε = {plan['epsilon']:.3f} reserved")
+            jobs = _watch(api, jobs, console)
+            _summary(api, jobs, dataset["id"], data_dir, console)
+            console.print(f"Ray dashboard (jobs and their logs): {orchestrator.dashboard_url}")
+    finally:
+        if not keep_ray:
+            orchestrator.connection.stop()
