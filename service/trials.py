@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import ledger
@@ -68,16 +69,28 @@ def _check_covered(job: Job, trial: Trial | None, index: int) -> None:
         raise AttemptRefused(f"trial {index} has used its {retries} reserved retries")
 
 
+def record_progress(session: Session, attempt_id: int, steps: int,
+                    metrics: list[dict[str, Any]]) -> None:
+    """Record an attempt's progress as it happens: steps run so far and new metric rows
+    (``{"name", "value", "epoch", "public"}``; ``public`` marks what analysts may see)."""
+    begin_write(session)
+    attempt = session.get(TrialAttempt, attempt_id)
+    trial = session.get(Trial, attempt.trial_id)
+    attempt.steps = steps
+    trial.metrics = [*trial.metrics, *metrics]
+    session.commit()
+
+
 def finish_attempt(
     session: Session,
     attempt_id: int,
     status: str,
     steps: int,
-    metrics: list[dict[str, Any]],
-    score: float | None,
+    score: float | None = None,
+    thresholds: list[float] | None = None,
 ) -> None:
-    """Record how an attempt ended. ``metrics`` items are ``{"name", "value", "epoch",
-    "public"}``; ``score`` is the DP selection score."""
+    """Record how an attempt ended: its steps, the DP selection ``score`` and the per-step
+    clipping ``thresholds`` of an adaptive rule."""
     begin_write(session)
     attempt = session.get(TrialAttempt, attempt_id)
     trial = session.get(Trial, attempt.trial_id)
@@ -86,8 +99,22 @@ def finish_attempt(
     attempt.ended_at = datetime.now(UTC)
     trial.status = status
     trial.steps += steps
-    trial.metrics = [*trial.metrics, *metrics]
     trial.score = score
+    trial.thresholds = thresholds
+    session.commit()
+
+
+def fail_open_attempts(session: Session, job_id: int, index: int) -> None:
+    """Mark the attempts of trial ``index`` that never reported their end (their process
+    died) as failed; their charge was written when they started."""
+    begin_write(session)
+    trial = session.execute(
+        select(Trial).where(Trial.job_id == job_id, Trial.index == index)
+    ).scalar_one_or_none()
+    for attempt in trial.attempts if trial else []:
+        if attempt.ended_at is None:
+            attempt.status = trial.status = "failed"
+            attempt.ended_at = datetime.now(UTC)
     session.commit()
 
 

@@ -103,6 +103,9 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
             _maybe_crash()
 
     def on_epoch(rows: list[dict[str, Any]]) -> None:
+        metrics = [{**r, "public": r["visibility"] == "public"} for r in rows]
+        with Session(engine) as session:
+            records.record_progress(session, attempt_id, steps_run, metrics)
         tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
 
     try:
@@ -110,7 +113,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
                             data_dir=ctx.data_dir)
     except BaseException as error:
         with Session(engine) as session:
-            records.finish_attempt(session, attempt_id, "failed", steps_run, [],  None)
+            records.finish_attempt(session, attempt_id, "failed", steps_run)
         log.error("trial %d failed: %s", index, error)
         raise
     result = outcome.result
@@ -118,11 +121,22 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()},
               str(path))
-    metrics = [{**m, "public": m["visibility"] == "public"} for m in result["metrics"]]
     with Session(engine) as session:
-        records.finish_attempt(session, attempt_id, "succeeded", result["steps"], metrics,
-                               result["score"]["value"])
+        records.finish_attempt(session, attempt_id, "succeeded", result["steps"],
+                               result["score"]["value"], result["thresholds"])
     tune.report({"steps": result["steps"], "score": result["score"]["value"], "done": True})
+
+
+class AttemptRecorder(tune.Callback):
+    """Tune callback on the driver: when a trial's process dies without reporting (killed,
+    out of memory), the attempt it had started is marked failed — it stays charged."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        with Session(self.ctx.engine()) as session:
+            records.fail_open_attempts(session, self.ctx.job_id, int(trial.config["index"]))
 
 
 def _load(job_id: int, settings: Settings) -> JobContext:
@@ -177,6 +191,7 @@ def run_job(job_id: int, settings: Settings) -> JobState:
                 name=f"dptune-job-{job_id}",
                 storage_path=str(ctx.data_dir / "ray_results"),
                 failure_config=tune.FailureConfig(max_failures=retries),
+                callbacks=[AttemptRecorder(ctx)],
                 verbose=1,
             ),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
@@ -10,7 +11,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from service import jobs
+from service import accounting, jobs
 from service.api.deps import (
     Caller,
     OrchestratorDep,
@@ -60,10 +61,12 @@ class TrialOut(BaseModel):
     params: dict[str, Any]
     score: float | None
     metrics: list[dict[str, Any]]
+    thresholds: list[float] | None  # per-step thresholds of an adaptive rule (DP outputs)
     released: bool
     status: str | None = None
     steps: int | None = None
     attempts: list[dict[str, Any]] | None = None
+    epsilon: float | None = None  # what this trial's attempts cost, at the dataset's δ
 
 
 def progress(job: Job, caller: Principal) -> Progress:
@@ -89,6 +92,24 @@ def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> Jo
     )
 
 
+@lru_cache(maxsize=1024)
+def _composed(q: float, sigma: float, steps: int, delta: float, attempts: int,
+              validation_noise: float | None) -> float:
+    extra = None if validation_noise is None else accounting.gaussian_rdp(validation_noise)
+    return accounting.tuning_epsilon(q, sigma, steps, delta, "rdp", trials=attempts,
+                                     extra_rdp=extra)
+
+
+def _attempts_epsilon(job: Job, attempts: int) -> float | None:
+    """ε at the job's δ of ``attempts`` runs of the job's trial mechanism (operators: what a
+    trial's attempts cost on their own; the job's charge is in the ledger)."""
+    if attempts == 0:
+        return None
+    p = job.plan
+    return _composed(p["sample_rate"], p["noise_multiplier"], p["steps"], p["delta"], attempts,
+                     p["validation_noise"])
+
+
 def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
     """Invariant 4. Operators see everything. Analysts see DP outputs only — parameters, the
     DP selection score, metrics marked public — and under random stopping (lt, ps) only the
@@ -98,7 +119,8 @@ def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
         return [
             TrialOut(
                 index=t.index, params=t.params, score=t.score, metrics=t.metrics,
-                released=t.id == released, status=t.status, steps=t.steps,
+                thresholds=t.thresholds, released=t.id == released, status=t.status,
+                steps=t.steps, epsilon=_attempts_epsilon(job, len(t.attempts)),
                 attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
                            "started_at": a.started_at.isoformat(),
                            "ended_at": a.ended_at.isoformat() if a.ended_at else None}
@@ -112,7 +134,8 @@ def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
     return [
         TrialOut(
             index=t.index if job.accounting == "rdp" else None, params=t.params, score=t.score,
-            metrics=[m for m in t.metrics if m.get("public") is True], released=t.id == released,
+            metrics=[m for m in t.metrics if m.get("public") is True], thresholds=t.thresholds,
+            released=t.id == released,
         )
         for t in shown
     ]

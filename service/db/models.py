@@ -132,6 +132,7 @@ class Trial(Base):
     steps: Mapped[int] = mapped_column(default=0)  # steps run, summed over attempts
     metrics: Mapped[list[Any]] = mapped_column(default=list)
     score: Mapped[float | None] = mapped_column(Float)  # DP selection score
+    thresholds: Mapped[list[Any] | None]  # per-step clipping thresholds of adaptive rules
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="trials")

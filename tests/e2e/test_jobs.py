@@ -41,6 +41,7 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits,
     trials = service.get(f"/v1/jobs/{job['id']}/trials")
     assert sorted(t["params"]["method.threshold"] for t in trials) == [0.5, 2.0]
     assert all(t["status"] == "succeeded" and len(t["attempts"]) == 1 for t in trials)
+    assert all(t["thresholds"] is None for t in trials)  # fixed threshold: nothing adaptive
     best = max(trials, key=lambda t: t["score"])
     assert best["released"] and sum(t["released"] for t in trials) == 1
     assert done["progress"] == {"trials_done": 2, "trials_total": 2, "best_score": best["score"]}
@@ -76,7 +77,9 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits,
 
 def test_a_retried_attempt_is_charged_too(service, digits, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("DPTUNE_CRASH_ONCE_FILE", str(tmp_path / "crashed"))
-    job = service.post("/v1/jobs", small_job(digits, max_retries=1))
+    spec = small_job(digits, max_retries=1)
+    spec["method"]["adaptive"] = {"rule": "dcsgd_p"}  # DC-SGD-P: thresholds are recorded
+    job = service.post("/v1/jobs", spec)
     done = service.wait(job["id"])
     assert (tmp_path / "crashed").exists()
     assert done["status"] == "released"
@@ -85,6 +88,10 @@ def test_a_retried_attempt_is_charged_too(service, digits, monkeypatch, tmp_path
     assert attempts == [1, 2]
     crashed = next(t for t in trials if len(t["attempts"]) == 2)
     assert crashed["attempts"][0]["status"] == "failed"
+    assert crashed["epsilon"] == pytest.approx(composed_trials(job["plan"], 2), rel=1e-9)
+    for trial in trials:
+        assert len(trial["thresholds"]) == job["plan"]["steps"]
+        assert len({m["epoch"] for m in trial["metrics"]}) == 1  # recorded as it happened
     budget = service.get(f"/v1/datasets/{digits}/budget")
     assert len(charged(budget)) == 3
     assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 3), rel=1e-9)

@@ -14,7 +14,13 @@ from service import jobs, ledger
 from service.api import create_app
 from service.db import Job, LedgerEntry
 from service.orchestrator import JobState
-from service.trials import AttemptRefused, finish_attempt, release_model, start_attempt
+from service.trials import (
+    AttemptRefused,
+    finish_attempt,
+    record_progress,
+    release_model,
+    start_attempt,
+)
 
 
 def opacus_epsilon(plan: dict, trials: int, delta: float) -> float:
@@ -48,7 +54,7 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
     budget = api.budget(ds)
     assert budget["spent"] == pytest.approx(plan["trial_epsilon"], rel=1e-9)
     assert budget["spent"] + budget["reserved"] == pytest.approx(plan["epsilon"], rel=1e-9)
-    finish_attempt(session, first, "failed", 3, [], None)
+    finish_attempt(session, first, "failed", 3)
     start_attempt(session, jid, 0, {"optimizer.lr": 0.05})  # the reserved retry
     with pytest.raises(AttemptRefused, match="retries"):
         start_attempt(session, jid, 0, {"optimizer.lr": 0.05})
@@ -131,7 +137,8 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
     jid = api.client.post("/v1/jobs", headers=ana, json=body).json()["id"]
     for index, lr in enumerate((0.05, 0.2)):
         attempt = start_attempt(session, jid, index, {"optimizer.lr": lr})
-        finish_attempt(session, attempt, "succeeded", 23, _metrics(0.5 + index), 0.8 + index)
+        record_progress(session, attempt, 23, _metrics(0.5 + index))
+        finish_attempt(session, attempt, "succeeded", 23, 0.8 + index)
     c = api.client
     assert c.get(f"/v1/jobs/{jid}/model", headers=ana).status_code == 409
     before = c.get(f"/v1/jobs/{jid}/trials", headers=ana).json()
@@ -149,8 +156,8 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
         assert [t["index"] for t in seen] == [0, 1]
     else:  # only the released trial, and nothing that reveals how many ran
         assert seen == [{"index": None, "params": {"optimizer.lr": 0.2}, "score": 1.8,
-                         "metrics": _metrics(1.5)[1:], "released": True, "status": None,
-                         "steps": None, "attempts": None}]
+                         "metrics": _metrics(1.5)[1:], "thresholds": None, "released": True,
+                         "status": None, "steps": None, "attempts": None, "epsilon": None}]
     full = c.get(f"/v1/jobs/{jid}/trials", headers=api.operator).json()
     assert len(full) == 2 and len(full[0]["metrics"]) == 2 and full[0]["attempts"]
 

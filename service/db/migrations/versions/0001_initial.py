@@ -118,6 +118,7 @@ def upgrade() -> None:
         sa.Column("steps", sa.Integer(), nullable=False),
         sa.Column("metrics", sa.JSON(), nullable=False),
         sa.Column("score", sa.Float(), nullable=True),
+        sa.Column("thresholds", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["job_id"], ["job.id"], name=op.f("fk_trial_job_id_job")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_trial")),
