@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -12,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service import accounting
+from workers.dp.sampling import num_steps
 
 
 class Method(StrEnum):
@@ -88,7 +88,8 @@ def account(
     batch_size: Annotated[int | None, typer.Option(help="B, expected batch size.")] = None,
     steps: Annotated[int | None, typer.Option(help="DP-SGD steps per trial.")] = None,
     epochs: Annotated[float | None, typer.Option(
-        help="Epochs per trial; steps = ⌈epochs·N/B⌉ (= ⌈epochs/q⌉).")] = None,
+        help="Epochs per trial (with N and B); steps = round(epochs·N/B), as the engine runs.")
+    ] = None,
     noise: Annotated[float | None, typer.Option("--noise", "-s",
         help="Noise multiplier σ: answers 'what does this cost?'.")] = None,
     target_epsilon: Annotated[float | None, typer.Option("--target-epsilon", "-e",
@@ -139,16 +140,17 @@ def account(
 def _resolve_schedule(sample_rate: float | None, dataset_size: int | None,
                       batch_size: int | None, steps: int | None, epochs: float | None
                       ) -> tuple[float, int]:
-    if sample_rate is None:
-        if dataset_size is None or batch_size is None:
-            raise ValueError("give --sample-rate, or --dataset-size and --batch-size")
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of --steps or --epochs")
+    if dataset_size is not None and batch_size is not None:
         if not 0 < batch_size <= dataset_size:
             raise ValueError("--batch-size must be in [1, --dataset-size]")
         sample_rate = batch_size / dataset_size
-    if (steps is None) == (epochs is None):
-        raise ValueError("give exactly one of --steps or --epochs")
-    if steps is None:
-        if not epochs > 0:
-            raise ValueError("--epochs must be positive")
-        steps = max(1, math.ceil(epochs / sample_rate))
+        if epochs is not None:
+            if not epochs > 0:
+                raise ValueError("--epochs must be positive")
+            steps = num_steps(dataset_size, batch_size, epochs)
+    elif sample_rate is None or epochs is not None:
+        raise ValueError("give --dataset-size and --batch-size (with --epochs or --steps), "
+                         "or --sample-rate with --steps")
     return sample_rate, steps
