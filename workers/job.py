@@ -140,20 +140,22 @@ class AttemptRecorder(tune.Callback):
 
 
 def _load(job_id: int, settings: Settings) -> JobContext:
+    """Read the job and decide its trials. Under random stopping the job is marked started
+    *before* K is drawn, so that its whole bound is charged whatever K turns out to be — even
+    K = 0 (invariant 3): the budget must not tell anyone which K was drawn."""
     with Session(create_db_engine(settings.sqlalchemy_url)) as session:
         job = session.get(Job, job_id)
         if job is None:
             raise SystemExit(f"job {job_id} does not exist")
         dataset = session.get(Dataset, job.dataset_id)
-        spec, plan = job.spec, job.plan
-        privacy = spec["privacy"]
-        if job.accounting == "rdp":
-            count = privacy.get("trials") or 1
+        spec, plan, accounting = job.spec, job.plan, job.accounting
+        if accounting == "rdp":
+            count = spec["privacy"].get("trials") or 1
             cands = candidates(spec["search_space"], count, spec["seed"])
         else:
-            k = draw_trial_count(job.accounting, plan["params"])
-            space = spec["search_space"]
-            cands = candidates(space, k, spec["seed"]) if k else []
+            apply_state(session, job_id, JobState.RUNNING)
+            k = draw_trial_count(accounting, plan["params"])
+            cands = candidates(spec["search_space"], k, spec["seed"]) if k else []
         return JobContext(job_id, settings.sqlalchemy_url, settings.data_path, spec, plan,
                           dataset.source, dataset.options, cands)
 
