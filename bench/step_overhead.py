@@ -14,7 +14,8 @@ Each (model, batch, column) runs in a fresh subprocess, so peak memory is not po
 runs. Peak memory = the largest memory in use during the first step, counting the model, its
 optimizer, the batch and every transient: on CUDA ``torch.cuda.max_memory_allocated``; on CPU
 the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before the
-model is built) minus the resident set after every import, with glibc told (``mallopt``) to
+model is built) minus the resident set after every import and a throwaway computation that
+sets up the math libraries (their one-time set-up is no column's cost), with glibc told to
 ``mmap`` every block over 64 KiB during that step, so freed tensors leave the resident set at
 once. The timed steps then run with glibc's usual heap reuse: after a warm-up of ``--seconds``/2,
 step time is the median of at least ``--steps`` steps, more until ``--seconds`` have passed

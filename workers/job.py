@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import secrets
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray import tune
 from safetensors.torch import load_file, save_file
 from sqlalchemy import Engine
@@ -85,6 +87,8 @@ def _maybe_crash() -> None:
 def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     """The Ray Tune trainable: one attempt of trial ``config["index"]``."""
     index = int(config["index"])
+    # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
+    torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
     engine = ctx.engine()
     try:
         with Session(engine) as session:

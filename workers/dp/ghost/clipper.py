@@ -138,20 +138,21 @@ def _record(model: nn.Module, layers: list[_Layer], inputs: Tensor) -> Tensor:
             handle.remove()
 
 
-def _reaches(start: Node, targets: set[Node], memo: dict[Node, bool]) -> bool:
+def _reaches(start: Node, targets: set[Node], dead_ends: set[Node]) -> bool:
     """Whether the backward pass from ``start`` leads to one of ``targets`` (so computing the
-    gradients at ``targets`` executes ``start``). ``memo`` caches nodes known to reach none."""
+    gradients at ``targets`` executes ``start``). ``dead_ends`` caches nodes that reach none
+    (still true as targets grow: later targets are never below earlier-visited nodes)."""
     todo = [n for n, _ in start.next_functions if n is not None]
     seen: set[Node] = set()
     while todo:
         node = todo.pop()
         if node in targets:
             return True
-        if node in seen or node in memo:
+        if node in seen or node in dead_ends:
             continue
         seen.add(node)
         todo.extend(n for n, _ in node.next_functions if n is not None)
-    memo.update(dict.fromkeys(seen, False))
+    dead_ends.update(seen)
     return False
 
 
@@ -164,12 +165,12 @@ def _split_kept(layers: list[_Layer]) -> tuple[list[_Layer], list[_Layer]]:
     """
     kept, booked = [], []
     targets: set[Node] = set()
-    memo: dict[Node, bool] = {}
+    dead_ends: set[Node] = set()
     for layer in sorted(layers, key=lambda item: item.order):
         edge, shape, _ = layer.outputs[0]
         if (len(layer.inputs) == 1
                 and layer.rule.keeps_per_sample(layer.module, layer.inputs[0], shape)
-                and _reaches(edge.node, targets, memo)):
+                and _reaches(edge.node, targets, dead_ends)):
             kept.append(layer)
         else:
             booked.append(layer)
@@ -210,7 +211,7 @@ def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
     return calls
 
 
-def per_sample_grads(
+def _per_sample_grads(
     model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, names: list[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients [B, *shape] of the named parameters by ``vmap(grad(...))``."""
@@ -278,7 +279,8 @@ def clipped_grad_sum(
     layers = [layer for layer in layers if layer.inputs and not layer.shared]
     calls = _backward(losses, layers)
     del losses
-    fallback_grads = per_sample_grads(model, loss_fn, inputs, targets, fallback) if fallback else {}
+    fallback_grads = (_per_sample_grads(model, loss_fn, inputs, targets, fallback)
+                      if fallback else {})
 
     sq_norms = {n: g.flatten(1).square().sum(1) for n, g in fallback_grads.items()}
     for layer in layers:
