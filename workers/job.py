@@ -10,6 +10,7 @@ where data is touched: a trial attempt is recorded, and charged, by
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -61,10 +62,16 @@ class JobContext:
     candidates: list[Candidate]
 
     def engine(self) -> Engine:
-        return create_db_engine(self.database_url)
+        return _engine(self.database_url)
 
     def weights_path(self, index: int) -> Path:
         return self.data_dir / "jobs" / str(self.job_id) / f"trial-{index}.safetensors"
+
+
+@functools.lru_cache(maxsize=4)
+def _engine(database_url: str) -> Engine:
+    """One engine (and connection pool) per process, however many trials it runs."""
+    return create_db_engine(database_url)
 
 
 def trial_config(ctx: JobContext, index: int) -> TrialConfig:
@@ -147,7 +154,7 @@ def _load(job_id: int, settings: Settings) -> JobContext:
     """Read the job and decide its trials. Under random stopping the job is marked started
     *before* K is drawn, so that its whole bound is charged whatever K turns out to be — even
     K = 0 (invariant 3): the budget must not tell anyone which K was drawn."""
-    with Session(create_db_engine(settings.sqlalchemy_url)) as session:
+    with Session(_engine(settings.sqlalchemy_url)) as session:
         job = session.get(Job, job_id)
         if job is None:
             raise SystemExit(f"job {job_id} does not exist")
