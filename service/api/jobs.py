@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime
-from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
@@ -11,7 +10,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from service import accounting, jobs
+from service import accounting, jobs, ledger
 from service.api.deps import (
     Caller,
     OrchestratorDep,
@@ -69,9 +68,16 @@ class TrialOut(BaseModel):
     epsilon: float | None = None  # what this trial's attempts cost, at the dataset's δ
 
 
+def _shown_trials(job: Job, caller: Principal) -> list[Trial]:
+    """Invariant 4: under random stopping (lt, ps) analysts see only the released trial."""
+    if caller.is_operator or job.accounting == "rdp":
+        return job.trials
+    released = job.artifact.trial_id if job.artifact else None
+    return [t for t in job.trials if t.id == released]
+
+
 def progress(job: Job, caller: Principal) -> Progress:
-    visible = visible_trials(job, caller)
-    scores = [t.score for t in visible if t.score is not None]
+    scores = [t.score for t in _shown_trials(job, caller) if t.score is not None]
     best = (max if job.spec["selection"]["mode"] == "max" else min)(scores) if scores else None
     fixed = job.accounting == "rdp"
     done = sum(t.status in ("succeeded", "failed") for t in job.trials)
@@ -92,35 +98,25 @@ def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> Jo
     )
 
 
-@lru_cache(maxsize=1024)
-def _composed(q: float, sigma: float, steps: int, delta: float, attempts: int,
-              validation_noise: float | None) -> float:
-    extra = None if validation_noise is None else accounting.gaussian_rdp(validation_noise)
-    return accounting.tuning_epsilon(q, sigma, steps, delta, "rdp", trials=attempts,
-                                     extra_rdp=extra)
-
-
-def _attempts_epsilon(job: Job, attempts: int) -> float | None:
-    """ε at the job's δ of ``attempts`` runs of the job's trial mechanism (operators: what a
-    trial's attempts cost on their own; the job's charge is in the ledger)."""
-    if attempts == 0:
-        return None
-    p = job.plan
-    return _composed(p["sample_rate"], p["noise_multiplier"], p["steps"], p["delta"], attempts,
-                     p["validation_noise"])
-
-
 def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
     """Invariant 4. Operators see everything. Analysts see DP outputs only — parameters, the
     DP selection score, metrics marked public — and under random stopping (lt, ps) only the
     released trial, without its index (the number of trials run is not a DP output)."""
     released = job.artifact.trial_id if job.artifact else None
     if caller.is_operator:
+        curve = ledger.trial_rdp(job) if job.trials else None
+
+        def epsilon(attempts: int) -> float | None:
+            """What a trial's attempts cost on their own (the job's charge is the ledger's)."""
+            if not attempts:
+                return None
+            return accounting.epsilon_from_rdp(attempts * curve, job.plan["delta"])[0]
+
         return [
             TrialOut(
                 index=t.index, params=t.params, score=t.score, metrics=t.metrics,
                 thresholds=t.thresholds, released=t.id == released, status=t.status,
-                steps=t.steps, epsilon=_attempts_epsilon(job, len(t.attempts)),
+                steps=t.steps, epsilon=epsilon(len(t.attempts)),
                 attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
                            "started_at": a.started_at.isoformat(),
                            "ended_at": a.ended_at.isoformat() if a.ended_at else None}
@@ -128,16 +124,13 @@ def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
             )
             for t in job.trials
         ]
-    shown: list[Trial] = job.trials if job.accounting == "rdp" else [
-        t for t in job.trials if t.id == released
-    ]
     return [
         TrialOut(
             index=t.index if job.accounting == "rdp" else None, params=t.params, score=t.score,
             metrics=[m for m in t.metrics if m.get("public") is True], thresholds=t.thresholds,
             released=t.id == released,
         )
-        for t in shown
+        for t in _shown_trials(job, caller)
     ]
 
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from service.accounting import tuning_epsilon
+from service.accounting import gaussian_rdp, tuning_epsilon
 from service.api import create_app
 from service.cluster import ray_orchestrator
 from service.settings import Settings
@@ -123,11 +123,13 @@ def _trial_table(api: httpx.Client, name: str, job: dict) -> Table:
 def _charged(api: httpx.Client, job: dict) -> float:
     """ε charged to the job: its trial attempts composed (every attempt that touched data)."""
     attempts = sum(len(t["attempts"]) for t in api.get(f"/v1/jobs/{job['id']}/trials").json())
-    plan = job["plan"]
     if attempts == 0:
         return 0.0
+    plan = job["plan"]
+    noise = plan["validation_noise"]
     return tuning_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
-                          plan["delta"], "rdp", trials=attempts)
+                          plan["delta"], "rdp", trials=attempts,
+                          extra_rdp=None if noise is None else gaussian_rdp(noise))
 
 
 def _summary(api: httpx.Client, jobs: dict[str, dict], dataset: int, data_dir: Path,

@@ -66,9 +66,10 @@ def ensure_token(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def _jobs_api_up(url: str, headers: dict[str, str]) -> bool:
+def _jobs_api_up(connection: RayConnection) -> bool:
     try:
-        return httpx.get(f"{url}/api/jobs/", headers=headers, timeout=5).status_code == 200
+        url = f"{connection.dashboard_url}/api/jobs/"
+        return httpx.get(url, headers=connection.headers, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -98,14 +99,15 @@ def connect(
     ``http://head:8265``) or, when it is None, to the local head on ``dashboard_port``,
     starting one if none answers."""
     token = ensure_token(data_dir) if auth_enabled() else None
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = address or f"http://{DASHBOARD_HOST}:{dashboard_port}"
-    if address is not None or _jobs_api_up(url, headers):
-        return RayConnection(url, token, started_here=False)
+    existing = RayConnection(address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token,
+                             started_here=False)
+    if address is not None or _jobs_api_up(existing):
+        return existing
     _start_head(dashboard_port, num_cpus, num_gpus)
     deadline = time.monotonic() + timeout_s
-    while not _jobs_api_up(url, headers):
+    while not _jobs_api_up(existing):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the Ray Jobs API at {url} did not come up in {timeout_s:.0f} s")
+            raise RuntimeError(f"the Ray Jobs API at {existing.dashboard_url} did not come up "
+                               f"in {timeout_s:.0f} s")
         time.sleep(0.5)
-    return RayConnection(url, token, started_here=True)
+    return RayConnection(existing.dashboard_url, token, started_here=True)
