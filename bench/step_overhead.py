@@ -5,10 +5,13 @@
     python bench/step_overhead.py --json out.json
 
 Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
-clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``opacus_hooks`` and
+clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_torchrng`` (the same step with
+its noise from torch's own generator instead of the product's ChaCha20 stream: the ratio
+``fast`` / ``fast_torchrng`` is what secure randomness costs), ``opacus_hooks`` and
 ``opacus_ghost`` (Opacus 1.6 ``grad_sample_mode="hooks"`` / ``"ghost"``, an optional benchmark
 dependency). Every DP column clips (Abadi, R = 1, all-layer unless ``--style``), adds Gaussian
-noise once and takes an SGD step.
+noise once and takes an SGD step; ours draw the noise as the engine does (one flat draw from a
+:class:`~workers.dp.randomness.SecureStream`).
 
 Each (model, batch, column) runs in a fresh subprocess, so peak memory is not polluted by other
 runs. Peak memory = the largest memory in use during the first step, counting the model, its
@@ -38,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["nonprivate", "general", "fast", "opacus_hooks", "opacus_ghost"]
+METHODS = ["nonprivate", "general", "fast", "fast_torchrng", "opacus_hooks", "opacus_ghost"]
 # name: (input shape, classes, model options)
 MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
     "mlp": ((3, 32, 32), 10, {}),
@@ -115,19 +118,28 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     if method.startswith("opacus"):
         return _opacus_step(model, optimizer, x, y, method.removeprefix("opacus_"))
 
-    if method == "fast":
+    if method.startswith("fast"):
         from workers.dp.ghost import clipped_grad_sum
     else:
         from workers.dp.grads import clipped_grad_sum
+    from workers.dp.randomness import SecureStream
+
     per_sample_loss = nn.CrossEntropyLoss(reduction="none")
     groups = resolve_groups(model, style)
     coef_fn = coefficient_fn("abadi", 1.0, len(groups))
     params = dict(model.named_parameters())
+    sizes = [p.numel() for p in params.values()]
+    stream = SecureStream()
+
+    def noise() -> list:
+        if method == "fast_torchrng":
+            return [torch.randn(n, device=device) for n in sizes]
+        return list(stream.normal(sum(sizes), device=device).split(sizes))
 
     def step() -> None:
         _, sums = clipped_grad_sum(model, per_sample_loss, x, y, groups, coef_fn)
-        for name, total in sums.items():
-            params[name].grad = total.add_(torch.randn_like(total)).div_(batch)  # σ = R = 1
+        for (name, total), z in zip(sums.items(), noise(), strict=True):
+            params[name].grad = total.add_(z.view_as(total)).div_(batch)  # σ = R = 1
         optimizer.step()
 
     return step

@@ -155,6 +155,9 @@ def apply_state(session: Session, job_id: int, state: JobState, error: str | Non
         now = datetime.now(UTC)
         if state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
             job.started_at = now
+            # a random-stopping job owes its whole bound from here on, whatever K will be:
+            # charge it now, so that when the ledger changes does not depend on K either
+            ledger.charge_what_ran(session, job)
         lost = state == JobState.LOST
         job.status = JobState.FAILED if lost else state
         if lost:

@@ -6,7 +6,7 @@ Rows are append-only and each has a unique reference. Kinds:
 - ``charge``: privacy actually consumed (an attempt that touched data, or a random-stopping
   job's whole bound once it started);
 - ``release``: the part of a reservation returned when the job is settled — only what never
-  touched data.
+  touched data (no row when nothing is left: a random-stopping job that started).
 
 A job's outstanding reservation is max(0, reserved − charged − released), order by order
 (per RDP order, and for ε and δ); while a job is open its commitment is therefore
@@ -78,6 +78,7 @@ class Budget:
     delta: float  # ... at this δ
     spent: float  # ε of all charges
     committed: float  # ε of charges plus outstanding reservations
+    delta_held: float  # δ held by (ε, δ) charges (Liu–Talwar bounds, caps on K), committed
     entries: list[LedgerEntry]
 
     @property
@@ -108,6 +109,7 @@ def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -
         delta=dataset.delta,
         spent=_epsilon(charges, dataset.delta),
         committed=_epsilon(charges + outstanding, dataset.delta),
+        delta_held=float(sum(vec[_N + 1] for vec in charges + outstanding)),
         entries=entries,
     )
 
@@ -146,20 +148,21 @@ def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
 def settle(session: Session, job: Job, *, charge_reservation: bool = False) -> None:
     """Finalize a terminated job's ledger: charge whatever ran, then release the rest of its
     reservation — only what provably never touched data. With ``charge_reservation`` (a job
-    whose fate is unknown) the rest is charged instead. Idempotent; the caller commits."""
-    released = select(LedgerEntry.id).where(LedgerEntry.reference == release_reference(job))
-    if session.execute(released).first() is not None:
-        return
+    whose fate is unknown) the rest is charged instead. The caller commits.
+
+    Only a row that carries an amount is written. A random-stopping job that started was
+    charged its whole bound then, so nothing of it is left: a zero row written now would be
+    dated by the job's end, which depends on how many trials ran (invariant 11). This also
+    makes settling idempotent without a marker row: once settled, nothing of the reservation
+    is outstanding, so settling again writes nothing."""
     left = _outstanding(charge_what_ran(session, job))[0]
+    if not left.any():
+        return
     if charge_reservation:
         append(session, job, "charge", f"job:{job.id}:unaccounted", left,
                "job lost: the rest of its reservation is charged")
-        left = np.zeros_like(left)
-    append(session, job, "release", release_reference(job), left, "unused reservation")
-
-
-def release_reference(job: Job) -> str:
-    return f"job:{job.id}:release"
+    else:
+        append(session, job, "release", f"job:{job.id}:release", left, "unused reservation")
 
 
 def _charges_due(job: Job, reservation: np.ndarray) -> list[tuple[str, np.ndarray, str]]:

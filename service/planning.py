@@ -4,6 +4,11 @@ Every trial of a job runs the same (q, σ, T), so one RDP curve describes each t
 job's cost follows from the accounting method (``service.accounting.job_charge``). σ is
 calibrated so that the job's ε at its δ lands at or just below the analyst's target — counting
 every reserved retry, so the target holds even if all of them are used.
+
+Defaults the analyst leaves out are chosen here, once, and each choice is explained in the
+plan (``Plan.defaults``). They are chosen so that jobs with defaults fit on a dataset in any
+order, whatever their accounting method: δs charged by basic composition (Liu–Talwar bounds,
+caps on K) come out of the dataset's δ (DESIGN.md invariant 7), so no default takes all of it.
 """
 
 from __future__ import annotations
@@ -14,12 +19,19 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
-from service import accounting
+from service import accounting, ledger
 from service.db import Dataset
-from service.spec import MAX_TRIALS, JobSpec
+from service.spec import MAX_TRIALS, JobSpec, Privacy
 
 MAX_STEPS = 1_000_000  # DP-SGD steps of one trial
+#: an lt job's default δ: this share of the dataset's δ not yet held by (ε, δ) charges
+LT_DELTA_SHARE = 0.1
+#: an lt job's default δ₂: this share of the job's δ (the rest pays for the trials' δ₁)
+LT_DELTA2_SHARE = 0.5
+#: a ps job's default cap on K: the smallest whose δ cost is at most this share of the job's δ
+CAP_DELTA_SHARE = 0.01
 
 
 class PlanError(ValueError):
@@ -52,6 +64,7 @@ class Plan(BaseModel):
     epsilon: float  # the job's ε ...
     delta: float  # ... at this δ
     params: dict[str, Any]  # the accounting parameters used (γ, δ₂, mean, η, cap)
+    defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
 
 
 @dataclass(frozen=True)
@@ -60,11 +73,13 @@ class PlannedJob:
     reservation: accounting.Charge  # the job's full cost, reserved at admission
 
 
-def plan_job(spec: JobSpec, dataset: Dataset) -> PlannedJob:
+def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
+    """Plan ``spec`` on ``dataset``. ``session`` reads the dataset's ledger: an lt job's default
+    δ is a share of the δ that (ε, δ) charges do not hold yet."""
     from workers.dp.sampling import num_steps  # torch-heavy: loaded on first plan only
 
     privacy = spec.privacy
-    delta = privacy.delta if privacy.delta is not None else dataset.delta
+    delta, defaults = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
         raise PlanError("privacy.delta", f"{delta} exceeds the dataset's δ {dataset.delta}")
     if spec.batch_size > dataset.n:
@@ -78,7 +93,7 @@ def plan_job(spec: JobSpec, dataset: Dataset) -> PlannedJob:
     steps = num_steps(dataset.n, spec.batch_size, spec.epochs)
     if steps > MAX_STEPS:
         raise PlanError("epochs", f"{steps} steps per trial exceed {MAX_STEPS}")
-    params = _method_params(spec, delta)
+    params, method_defaults = _method_params(spec, dataset, delta)
     method = privacy.accounting
     noise = validation.noise if validation.split == "private" else None
     try:
@@ -102,28 +117,85 @@ def plan_job(spec: JobSpec, dataset: Dataset) -> PlannedJob:
         epsilon=accounting.job_epsilon(trial, delta, method, **params),
         delta=delta,
         params=params,
+        defaults=defaults | method_defaults,
     )
-    reservation = accounting.job_charge(trial, delta, method, **params)
+    reservation = accounting.job_charge(trial, delta, method, statement_epsilon=dataset.epsilon,
+                                        **params)
     return PlannedJob(plan=plan, reservation=reservation)
 
 
-def _method_params(spec: JobSpec, delta: float) -> dict[str, Any]:
-    """Parameters of the job's accounting method for ``service.accounting``."""
+def _job_delta(
+    privacy: Privacy, dataset: Dataset, session: Session
+) -> tuple[float, dict[str, str]]:
+    """The job's δ and, when it is a default, why.
+
+    ``rdp`` and ``ps`` jobs are RDP curves that compose with the dataset's other curves, and
+    the whole is stated at the dataset's δ, so their default is the dataset's δ. A Liu–Talwar
+    job (Liu & Talwar, "Private Selection from Private Candidates", STOC 2019) is an (ε, δ)
+    statement charged by basic composition: its δ is subtracted from the dataset's. All of it
+    would refuse every later job (nothing left to convert curves at, nor for other (ε, δ)
+    charges), so the default is a share of what (ε, δ) charges do not hold yet.
+    """
+    if privacy.delta is not None:
+        return privacy.delta, {}
+    if privacy.accounting != "lt":
+        return dataset.delta, {"privacy.delta": (
+            f"{dataset.delta:g}, the dataset's δ: {privacy.accounting} charges are RDP curves "
+            "that compose with the dataset's other charges, all stated at the dataset's δ."
+        )}
+    free = dataset.delta - ledger.budget(session, dataset).delta_held
+    if free <= 0:
+        raise PlanError("privacy.delta", "(ε, δ) charges already hold all of the dataset's δ "
+                        f"{dataset.delta:g}")
+    delta = LT_DELTA_SHARE * free
+    return delta, {"privacy.delta": (
+        f"{delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges "
+        f"({free:.3g}): Liu–Talwar's δ is charged by basic composition, so it is taken out of "
+        "the dataset's δ, and the rest is left for later jobs."
+    )}
+
+
+def _method_params(
+    spec: JobSpec, dataset: Dataset, delta: float
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parameters of the job's accounting method for ``service.accounting``, and why each
+    default among them was chosen."""
     privacy = spec.privacy
     if privacy.accounting == "rdp":
-        return {"trials": spec.trial_count() * (1 + privacy.max_retries)}
+        return {"trials": spec.trial_count() * (1 + privacy.max_retries)}, {}
+    defaults: dict[str, str] = {}
     if privacy.accounting == "lt":
         gamma = privacy.gamma if privacy.gamma is not None else 1 / privacy.expected_trials
-        delta2 = privacy.delta2 if privacy.delta2 is not None else delta / 2
+        delta2 = privacy.delta2
+        if delta2 is None:
+            delta2 = LT_DELTA2_SHARE * delta
+            defaults["privacy.delta2"] = (
+                f"{delta2:.3g}, {LT_DELTA2_SHARE:g} of the job's δ: δ₂ pays for the cap on "
+                "trials ⌈ln(1/δ₂)/γ⌉ and the rest for the trials' own δ (paper 001, Thm. 1)."
+            )
         if delta2 >= delta:
             raise PlanError("privacy.delta2", f"must be below the job's δ {delta}")
-        return {"gamma": gamma, "delta2": delta2}
+        return {"gamma": gamma, "delta2": delta2}, defaults
     eta = None if privacy.eta == "poisson" else privacy.eta
-    cap = privacy.max_trials or _default_cap(privacy.mean, eta, delta)
+    # the ledger states the cap at the dataset's budget ε, the job at most at its target ε
+    epsilon = max(dataset.epsilon, privacy.epsilon)
+    cap = privacy.max_trials
+    if cap is None:
+        cap = _default_cap(privacy.mean, eta, delta, epsilon)
+        defaults["privacy.max_trials"] = (
+            f"{cap}, the smallest cap on K with (1 + e^ε)·P[K > cap] ≤ {CAP_DELTA_SHARE:g}·δ at "
+            f"ε = {epsilon:g}: a cap changes the output with probability P[K > cap] on both "
+            "neighbouring datasets, which costs (1 + e^ε)·P[K > cap] of δ."
+        )
     tail = accounting.trials_tail(privacy.mean, eta, cap)
-    if tail >= delta:
-        raise PlanError("privacy.max_trials", f"P[K > {cap}] = {tail:.3g} is not below δ")
-    return {"mean": privacy.mean, "eta": eta, "max_trials": cap}
+    cost = accounting.cap_delta(tail, epsilon)
+    if cost >= delta:
+        raise PlanError(
+            "privacy.max_trials",
+            f"P[K > {cap}] = {tail:.3g} costs (1 + e^{epsilon:g})·{tail:.3g} = {cost:.3g} of δ, "
+            f"which leaves nothing of the job's δ {delta:g}",
+        )
+    return {"mean": privacy.mean, "eta": eta, "max_trials": cap}, defaults
 
 
 def _trial_count(
@@ -145,15 +217,24 @@ def _trial_count(
     )
 
 
-def _default_cap(mean: float, eta: float | None, delta: float) -> int:
-    """Smallest cap on K whose tail probability is below δ/100 (bisection: the tail
-    decreases in the cap)."""
+def _default_cap(mean: float, eta: float | None, delta: float, epsilon: float) -> int:
+    """Smallest cap on K whose δ cost (1 + e^ε)·P[K > cap] (``accounting.cap_delta``) is at
+    most ``CAP_DELTA_SHARE``·δ; bisection, as the tail decreases in the cap."""
+
+    def too_costly(cap: int) -> bool:
+        tail = accounting.trials_tail(mean, eta, cap)
+        return accounting.cap_delta(tail, epsilon) > CAP_DELTA_SHARE * delta
+
     lo, hi = 1, MAX_TRIALS
-    if accounting.trials_tail(mean, eta, hi) > delta / 100:
-        raise PlanError("privacy.mean", f"K would exceed {MAX_TRIALS} trials too often")
+    if too_costly(hi):
+        raise PlanError(
+            "privacy.mean",
+            f"K would exceed {MAX_TRIALS} trials too often: even that cap costs more than "
+            f"{CAP_DELTA_SHARE:g}·δ at ε = {epsilon:g}",
+        )
     while lo < hi:
         mid = (lo + hi) // 2
-        if accounting.trials_tail(mean, eta, mid) > delta / 100:
+        if too_costly(mid):
             lo = mid + 1
         else:
             hi = mid

@@ -20,6 +20,9 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL; default ``sqlite:///<data_dir>/dptune.db``. PostgreSQL:
     ``postgresql+psycopg://user:pass@host/db`` (``pip install 'dptune[postgres]'``)."""
+    database_url_file: Path | None = None
+    """A file holding the SQLAlchemy URL, read when ``database_url`` is unset. Ray jobs get the
+    URL this way: a Ray job's environment is shown in the Ray dashboard, a password must not."""
     operator_key: SecretStr | None = Field(None, min_length=16)
     """Bootstrap operator key. Unset: the first start creates one and prints it once."""
     max_body_bytes: int = Field(64 * 1024, gt=0)
@@ -43,4 +46,8 @@ class Settings(BaseSettings):
 
     @property
     def sqlalchemy_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.data_path / 'dptune.db'}"
+        if self.database_url:
+            return self.database_url
+        if self.database_url_file is not None:
+            return self.database_url_file.read_text().strip()
+        return f"sqlite:///{self.data_path / 'dptune.db'}"

@@ -119,11 +119,19 @@ class Privacy(Strict):
       (or give ``expected_trials`` = 1/γ); ``delta2`` (default δ/2) sets the cap on trials.
     - ``ps``: Papernot–Steinke: K ~ truncated negative binomial with ``mean`` and ``eta``
       (η = 1 geometric, η = 0 logarithmic) or ``eta: "poisson"``; ``max_trials`` caps K
-      (default: the smallest cap whose tail probability is below δ/100).
+      (default: the smallest cap whose cost in δ, (1 + e^ε)·P[K > cap], is at most δ/100;
+      see :func:`service.accounting.cap_delta`).
+
+    ``hold_release`` (``lt``, ``ps``): the analyst sees the job ``running``, with no model,
+    until as long after its start as the cap on trials would take at the pace of its first
+    trial — so that when the model appears tells little about how many trials ran
+    (:func:`service.visibility.hold_until`).
     """
 
     epsilon: float = Field(gt=0, le=100)
-    delta: float | None = Field(None, gt=0, lt=1)  # default: the dataset's δ
+    #: default: the dataset's δ (rdp, ps); for lt a tenth of the δ the dataset has not yet given
+    #: to (ε, δ) charges (service.planning)
+    delta: float | None = Field(None, gt=0, lt=1)
     accounting: Literal["rdp", "lt", "ps"]
     trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
     max_retries: int = Field(0, ge=0, le=3)
@@ -133,16 +141,17 @@ class Privacy(Strict):
     mean: float | None = Field(None, ge=1, le=MAX_TRIALS)
     eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = None
     max_trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
+    hold_release: bool = False
 
     @model_validator(mode="after")
     def _method_fields(self) -> Self:
         allowed = {
             "rdp": {"trials", "max_retries"},
-            "lt": {"gamma", "expected_trials", "delta2"},
-            "ps": {"mean", "eta", "max_trials"},
+            "lt": {"gamma", "expected_trials", "delta2", "hold_release"},
+            "ps": {"mean", "eta", "max_trials", "hold_release"},
         }[self.accounting]
         method_fields = {"trials", "max_retries", "gamma", "expected_trials", "delta2", "mean",
-                         "eta", "max_trials"}
+                         "eta", "max_trials", "hold_release"}
         # a field counts as given when it differs from its default, so that a stored spec
         # (dumped with every field) validates again
         given = {n for n in method_fields if getattr(self, n) != type(self).model_fields[n].default}
@@ -156,7 +165,12 @@ class Privacy(Strict):
 
 
 class Selection(Strict):
-    metric: str = Field("val_accuracy", pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    """How the released trial is chosen. The only metric is the DP selection score each trial
+    releases (DESIGN.md invariant 5): validation accuracy on the public split, or on the
+    private hold-out through the Gaussian mechanism. Any other metric would be computed on
+    private data without noise, so it is refused rather than silently ignored."""
+
+    metric: Literal["val_accuracy"] = "val_accuracy"
     mode: Literal["max", "min"] = "max"
 
 
@@ -180,7 +194,9 @@ class JobSpec(Strict):
     privacy: Privacy
     selection: Selection = Field(default_factory=Selection)
     resources: Resources = Field(default_factory=Resources)
-    seed: int = Field(0, ge=0, lt=2**32)
+    #: rdp only: fixes the random draws of the search space (every trial is released and charged
+    #: anyway). Random-stopping jobs draw their candidates from OS entropy, so it is refused.
+    seed: int | None = Field(None, ge=0, lt=2**32)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +224,12 @@ class JobSpec(Strict):
                 "random-stopping trials are drawn at random from a fixed prior (DESIGN.md "
                 "invariant 6); use 'values' or 'log_uniform'"
             )
+        if self.seed is not None and privacy.accounting != "rdp":
+            raise ValueError(
+                f"seed: not allowed under {privacy.accounting!r}: each trial draws its candidate "
+                "from OS entropy, so that the released hyperparameters do not tell which draw "
+                "won (and so how many trials ran)"
+            )
         if self.trial_count() > MAX_TRIALS:
             raise ValueError(f"search_space: {self.trial_count()} trials exceed {MAX_TRIALS}")
         return self
@@ -218,7 +240,6 @@ class JobSpec(Strict):
         noise_multiplier: float,
         delta: float,
         params: dict[str, Scalar],
-        seed: int,
     ) -> TrialConfig:
         """One trial's configuration: the spec's parts with a candidate's hyperparameters
         (search-space path → value) applied, and the job's *planned* σ — a trial never
@@ -232,7 +253,7 @@ class JobSpec(Strict):
         return TrialConfig(
             dataset=dataset, model=self.model, validation=self.validation, epochs=self.epochs,
             batch_size=self.batch_size, physical_batch_size=self.physical_batch_size,
-            noise_multiplier=noise_multiplier, delta=delta, seed=seed, **parts,
+            noise_multiplier=noise_multiplier, delta=delta, **parts,
         )
 
     def grid_size(self) -> int:

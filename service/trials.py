@@ -124,15 +124,19 @@ def release_model(
     trial_id: int,
     tensors: dict[str, np.ndarray],
     config: dict[str, Any],
+    dataset: dict[str, Any],
 ) -> Artifact:
-    """Store the selected trial's weights under DATA_DIR as safetensors (its trial config in
-    the file's metadata, key ``config``) and release them."""
+    """Store the selected trial's weights under DATA_DIR as safetensors and release them. The
+    file's metadata holds the trial config (key ``config``, without its dataset part) and the
+    dataset's public shape (key ``dataset``: ``num_classes``, ``input_shape``) — enough to
+    rebuild the model, nothing of the operator's source or options."""
     begin_write(session)
     trial = session.get(Trial, trial_id)
     relative = Path("artifacts") / f"job-{trial.job_id}.safetensors"
     path = data_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+    save_file(tensors, str(path), metadata={"config": json.dumps(config),
+                                            "dataset": json.dumps(dataset)})
     artifact = Artifact(
         job_id=trial.job_id,
         trial_id=trial.id,

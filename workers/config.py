@@ -27,10 +27,19 @@ class Strict(BaseModel):
 class DatasetConfig(Strict):
     """``source`` is ``builtin:digits``, ``builtin:mnist1d``, ``builtin:heavy_tail`` or
     ``npz:<path>``; ``options`` are passed to the dataset builder (e.g. ``scale`` for
-    ``heavy_tail``)."""
+    ``heavy_tail``).
+
+    ``num_classes`` declares the label set {0, …, num_classes − 1}: it sizes the model's
+    output and is public, so it must not be read off private labels (required for ``npz``;
+    the builtins' class counts are part of their definition). ``sha256`` is the content hash
+    recorded when the control plane registered the dataset: a trial refuses data that
+    changed since, because its privacy cost (q = B/N, T) was planned from the registered N.
+    """
 
     source: str = Field(pattern=r"^(builtin:(digits|mnist1d|heavy_tail)|npz:.+)$")
     options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    num_classes: int | None = Field(None, ge=2, le=100_000)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
 class ModelConfig(Strict):
@@ -110,7 +119,6 @@ class TrialConfig(Strict):
     noise_multiplier: PositiveFloat | None = None  # σ; or calibrate from target_epsilon
     target_epsilon: PositiveFloat | None = None
     delta: float = Field(1e-5, gt=0, lt=1)
-    seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @model_validator(mode="after")

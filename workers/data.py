@@ -6,6 +6,7 @@ carved out of the private training data by :func:`hold_out`."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from workers.config import DatasetConfig
+from workers.dp.randomness import SecureStream
 
 Options = dict[str, float | int | str | bool]
 
@@ -120,11 +122,15 @@ def heavy_tail(options: Options) -> Dataset:
     return Dataset("heavy_tail", x, y, len(per_class), class_group=class_group)
 
 
-def npz(path: str) -> Dataset:
-    """A user file with ``x``, ``y`` (private) and optional ``x_val``, ``y_val`` (public)."""
+def npz(path: str, num_classes: int | None) -> Dataset:
+    """A user file with ``x``, ``y`` (private) and optional ``x_val``, ``y_val`` (public); the
+    label set {0, …, ``num_classes`` − 1} is declared, never read off the private labels."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"dataset.source: no such file {path!r}")
+    if num_classes is None:
+        raise ValueError("dataset.num_classes: required for npz datasets (the label set is "
+                         "declared, not read from private data)")
     with np.load(file, allow_pickle=False) as raw:
         arrays = {k: raw[k] for k in raw.files}
     for key in ("x", "y"):
@@ -132,15 +138,12 @@ def npz(path: str) -> Dataset:
             raise ValueError(f"dataset.source: {path!r} has no array {key!r}")
     if ("x_val" in arrays) != ("y_val" in arrays):
         raise ValueError(f"dataset.source: {path!r} needs both x_val and y_val, or neither")
-    labels = [arrays["y"]] + ([arrays["y_val"]] if "y_val" in arrays else [])
     for key, x, y in [("y", arrays["x"], arrays["y"]),
                       ("y_val", arrays.get("x_val"), arrays.get("y_val"))]:
-        if y is None:
-            continue
-        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
-            raise ValueError(f"dataset.source: {key} must be non-negative integer labels, "
-                             "one per row of the inputs")
-    num_classes = int(max(int(a.max()) for a in labels)) + 1
+        if y is not None and (y.ndim != 1 or len(y) != len(x)
+                              or not np.issubdtype(y.dtype, np.integer)):
+            raise ValueError(f"dataset.source: {key} must be integer labels, one per row of "
+                             "the inputs")
     x_val = arrays.get("x_val")
     return Dataset(file.stem, torch.tensor(arrays["x"], dtype=torch.float32),
                    torch.tensor(arrays["y"], dtype=torch.long), num_classes,
@@ -153,39 +156,87 @@ BUILTINS = {"digits": digits, "mnist1d": mnist1d, "heavy_tail": heavy_tail}
 
 
 def load_dataset(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
-    """Build the dataset of ``cfg``; a relative ``npz:`` path is resolved against
-    ``data_dir`` (the service's DATA_DIR) when given."""
+    """Build the dataset of ``cfg`` and check it (:func:`check`); a relative ``npz:`` path is
+    resolved against ``data_dir`` (the service's DATA_DIR) when given."""
     kind, _, name = cfg.source.partition(":")
     if kind == "npz":
         if cfg.options:
             raise ValueError("dataset.options: .npz datasets take no options")
-        return npz(str(data_dir / name) if data_dir else name)
-    return BUILTINS[name](cfg.options)
+        dataset = npz(str(data_dir / name) if data_dir else name, cfg.num_classes)
+    else:
+        dataset = BUILTINS[name](cfg.options)
+        if cfg.num_classes not in (None, dataset.num_classes):
+            raise ValueError(f"dataset.num_classes: {cfg.source} has {dataset.num_classes} "
+                             f"classes, not {cfg.num_classes}")
+    check(dataset)
+    if cfg.sha256 is not None and content_sha256(dataset) != cfg.sha256:
+        raise ValueError(f"dataset.sha256: the data of {cfg.source} changed since it was "
+                         "registered; its privacy cost was planned from the registered data")
+    return dataset
+
+
+def _first_bad_row(bad: Tensor) -> int | None:
+    rows = bad.reshape(len(bad), -1).any(1).nonzero()
+    return int(rows[0]) if len(rows) else None
+
+
+def check(dataset: Dataset) -> None:
+    """DESIGN.md invariant 9: refuse non-finite features (a NaN or inf record would otherwise
+    reach the clipper — values beyond float32's range are inf once converted) and labels
+    outside the declared label set, naming the array and its first offending row."""
+    for key, x, y in [("x", dataset.x, dataset.y), ("x_val", dataset.x_val, dataset.y_val)]:
+        if x is None or y is None:
+            continue
+        row = _first_bad_row(~torch.isfinite(x))
+        if row is not None:
+            raise ValueError(f"dataset.source: {key}[{row}] has a non-finite value (NaN or "
+                             "±inf, or beyond float32's range)")
+        label = "y" if key == "x" else "y_val"
+        row = _first_bad_row((y < 0) | (y >= dataset.num_classes))
+        if row is not None:
+            raise ValueError(f"dataset.source: {label}[{row}] = {int(y[row])} is outside the "
+                             f"declared label set 0…{dataset.num_classes - 1}")
+
+
+def content_sha256(dataset: Dataset) -> str:
+    """SHA-256 of the arrays a trial trains and validates on (shapes, dtypes and bytes)."""
+    digest = hashlib.sha256()
+    for tensor in (dataset.x, dataset.y, dataset.x_val, dataset.y_val):
+        if tensor is not None:
+            digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())
+            digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """What the control plane records when a dataset is registered."""
+    """What the control plane records when a dataset is registered. N and the label set are
+    treated as public (q = B/N is computed from N, as DP-SGD's accounting does)."""
 
     n: int
     num_classes: int
     input_shape: tuple[int, ...]
     public_validation: bool
+    sha256: str
 
 
-def describe(source: str, data_dir: Path | None = None,
-             options: Options | None = None) -> DatasetInfo:
-    d = load_dataset(DatasetConfig(source=source, options=options or {}), data_dir)
-    return DatasetInfo(d.size, d.num_classes, d.input_shape, d.splits.get("val") == "public")
+def describe(source: str, data_dir: Path | None = None, options: Options | None = None,
+             num_classes: int | None = None) -> DatasetInfo:
+    d = load_dataset(DatasetConfig(source=source, options=options or {},
+                                   num_classes=num_classes), data_dir)
+    return DatasetInfo(d.size, d.num_classes, d.input_shape, d.splits.get("val") == "public",
+                       content_sha256(d))
 
 
-def hold_out(dataset: Dataset, fraction: float, seed: int) -> Dataset:
-    """Move a random ``fraction`` of the private training data into a *private* validation
-    split (replacing any public one): used when the selection score is computed privately."""
-    order = torch.randperm(dataset.size, generator=torch.Generator().manual_seed(seed))
-    cut = dataset.size - max(1, round(fraction * dataset.size))
-    if cut < 1:
-        raise ValueError("validation.fraction: leaves no training data")
-    train, val = order[:cut], order[cut:]
+def hold_out(dataset: Dataset, fraction: float, stream: SecureStream) -> Dataset:
+    """Move each private training example into a *private* validation split independently
+    with probability ``fraction`` (replacing any public split): used when the selection score
+    is computed privately.
+
+    Independent coin flips keep the add/remove coupling of DP: adding one record leaves every
+    other record's side unchanged. A split of fixed size round(f·N) would not — it changes
+    with N, so neighbouring datasets would train on sets that differ by a replacement."""
+    held = stream.bernoulli(dataset.size, fraction)
+    train, val = (~held).nonzero().squeeze(1), held.nonzero().squeeze(1)
     return replace(dataset, x=dataset.x[train], y=dataset.y[train],
                    x_val=dataset.x[val], y_val=dataset.y[val], val_public=False)

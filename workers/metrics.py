@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.dp.randomness import SecureStream
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -39,12 +41,14 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> 
     return Evaluation(loss / max(len(y), 1), int((pred == y).sum()), len(y), pred)
 
 
-def noisy_accuracy(correct: int, total: int, noise: float, generator: torch.Generator) -> float:
-    """(correct + N(0, noise²)) / total: the number of correct predictions has sensitivity 1
-    under adding/removing (or replacing) one validation example, so this release is the
-    Gaussian mechanism with noise multiplier ``noise``. The split's size is public, as N is
-    for DP-SGD's sampling rate."""
-    return (correct + noise * float(torch.randn(1, generator=generator))) / total
+def noisy_accuracy(correct: int, expected_total: float, noise: float,
+                   stream: SecureStream) -> float:
+    """(correct + N(0, noise²)) / expected_total: the number of correct predictions has
+    sensitivity 1 under adding/removing (or replacing) one validation example, so this
+    release is the Gaussian mechanism with noise multiplier ``noise``. The divisor is the
+    split's *expected* size f·N (public, like B in DP-SGD), never its realized size, which
+    the independent hold-out makes private."""
+    return (correct + noise * float(stream.normal(1, dtype=torch.float64))) / expected_total
 
 
 def group_accuracy(predictions: Tensor, y: Tensor, class_group: Tensor) -> dict[int, float]:

@@ -2,22 +2,25 @@
 
 - ``rdp`` (fixed K): every point of the grid product, each paired with ``trials`` random draws
   of the random dimensions. Every trial is charged, so any search is allowed.
-- ``lt`` / ``ps`` (random K): K is drawn from the accounting distribution and candidates are
-  drawn i.i.d. from the fixed prior given by the search space (DESIGN.md invariant 6). K must
-  stay secret and unpredictable — the bounds of Liu–Talwar and Papernot–Steinke hold for a
-  random K — so it is drawn from OS entropy, never from the job's (analyst-chosen) seed.
+- ``lt`` / ``ps`` (random K): K is drawn from the accounting distribution and each trial
+  draws its candidate i.i.d. from the fixed prior given by the search space (DESIGN.md
+  invariant 6). K and the order of the candidates must stay secret — the bounds of Liu–Talwar
+  and Papernot–Steinke hold for a random K of which only the winner is released — so both come
+  from OS entropy (:class:`~workers.dp.randomness.SecureStream`), never from a seed the analyst
+  chose: replaying such a seed would tell which draw the released hyperparameters were, hence
+  a lower bound on K.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import secrets
 from typing import Any
 
 import numpy as np
 
 from service.accounting.tuning import tnb_gamma
+from workers.dp.randomness import SecureStream
 
 Candidate = dict[str, Any]
 
@@ -31,9 +34,10 @@ def _draw(dimension: dict[str, Any], rng: np.random.Generator) -> Any:
 
 
 def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -> list[Candidate]:
-    """Grid points × ``count`` i.i.d. draws of the random dimensions (only the draws when there
-    is no grid). ``search_space`` maps a dotted path to ``{"grid"|"values"|"log_uniform": …}``.
-    """
+    """Fixed-K (``rdp``) jobs: grid points × ``count`` i.i.d. draws of the random dimensions
+    (only the draws when there is no grid), reproducible from the job's ``seed`` — every
+    trial's outcome is released and charged anyway. ``search_space`` maps a dotted path to
+    ``{"grid"|"values"|"log_uniform": …}``."""
     rng = np.random.default_rng(seed)
     grid = {p: d["grid"] for p, d in search_space.items() if "grid" in d}
     random = {p: d for p, d in search_space.items() if "grid" not in d}
@@ -43,6 +47,13 @@ def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -
         for point in points
         for _ in range(count)
     ]
+
+
+def random_candidate(search_space: dict[str, dict[str, Any]],
+                     rng: np.random.Generator | None = None) -> Candidate:
+    """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
+    rng = rng or SecureStream().numpy
+    return {path: _draw(dimension, rng) for path, dimension in search_space.items()}
 
 
 def draw_trial_count(accounting: str, params: dict[str, Any],
@@ -55,7 +66,7 @@ def draw_trial_count(accounting: str, params: dict[str, Any],
     η = 0 logarithmic, else a negative binomial conditioned on K ≥ 1) or Poisson(μ) (K = 0
     possible); capped at ``max_trials``, whose tail probability the plan charged to δ.
     """
-    rng = rng or np.random.default_rng(secrets.randbits(128))
+    rng = rng or SecureStream().numpy
     if accounting == "lt":
         gamma = params["gamma"]
         cap = math.ceil(math.log(1 / params["delta2"]) / gamma)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,32 +25,28 @@ from service import trials as records
 from service.db import create_db_engine
 from service.spec import JobSpec
 from workers.config import DatasetConfig, TrialConfig
-from workers.search import Candidate
+from workers.search import Candidate, random_candidate
 from workers.trial import run_trial
 
 log = logging.getLogger("dptune.trial")
 
-#: test hook: when this file is named and does not exist yet, the next trial attempt creates
-#: it and crashes after its first step — so tests can prove that retries are charged.
-CRASH_ONCE_ENV = "DPTUNE_CRASH_ONCE_FILE"
-
-
-class InjectedCrash(RuntimeError):
-    pass
-
 
 @dataclass(frozen=True)
 class JobContext:
-    """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``."""
+    """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``.
+
+    ``candidates`` lists a fixed-K job's candidates by trial index; for a random-stopping job
+    it is None and each trial draws its own from OS entropy (:func:`random_candidate`), so the
+    driver never holds the order of candidates either."""
 
     job_id: int
     database_url: str
     data_dir: Path
     spec: dict[str, Any]
     plan: dict[str, Any]
-    dataset_source: str
-    dataset_options: dict[str, Any]
-    candidates: list[Candidate]
+    dataset: DatasetConfig
+    trials: int
+    candidates: list[Candidate] | None
 
     def engine(self) -> Engine:
         return database_engine(self.database_url)
@@ -67,21 +61,17 @@ def database_engine(database_url: str) -> Engine:
     return create_db_engine(database_url)
 
 
-def trial_config(ctx: JobContext, index: int) -> TrialConfig:
-    """Candidate ``index`` with the job's planned noise. The seed comes from OS entropy: it
-    drives Poisson sampling and the DP noise, which must stay secret from the analyst who
-    chose the job's seed (that one only fixes the prior over candidates)."""
-    dataset = DatasetConfig(source=ctx.dataset_source, options=ctx.dataset_options)
+def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
+    """A candidate's trial with the job's planned noise. All of its privacy randomness comes
+    from fresh OS entropy inside the trial (:mod:`workers.dp.randomness`)."""
     return JobSpec.model_validate(ctx.spec).trial_config(
-        dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], ctx.candidates[index],
-        seed=secrets.randbits(62))
+        ctx.dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], params)
 
 
-def _maybe_crash() -> None:
-    marker = os.environ.get(CRASH_ONCE_ENV)
-    if marker and not Path(marker).exists():
-        Path(marker).touch()
-        raise InjectedCrash(f"injected crash ({CRASH_ONCE_ENV})")
+def _candidate(ctx: JobContext, index: int) -> Candidate:
+    if ctx.candidates is None:
+        return random_candidate(ctx.spec["search_space"])
+    return ctx.candidates[index]
 
 
 def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
@@ -90,11 +80,12 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
     torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
     engine = ctx.engine()
+    params = _candidate(ctx, index)
     try:
         with Session(engine) as session:
             # Charged before any data is read; refused when the reservation does not cover
             # it (a cancelled job, retries used up): then the trial ends without touching data.
-            attempt_id = records.start_attempt(session, ctx.job_id, index, ctx.candidates[index])
+            attempt_id = records.start_attempt(session, ctx.job_id, index, params)
     except records.AttemptRefused as refused:
         log.warning("trial %d not run: %s", index, refused)
         return
@@ -103,8 +94,6 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     def on_step(t: int, total: int) -> None:
         nonlocal steps_run
         steps_run = t
-        if t == 1:
-            _maybe_crash()
 
     def on_epoch(rows: list[dict[str, Any]]) -> None:
         metrics = [{**r, "public": r["visibility"] == "public"} for r in rows]
@@ -113,7 +102,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
 
     try:
-        outcome = run_trial(trial_config(ctx, index), on_step=on_step, on_epoch=on_epoch,
+        outcome = run_trial(trial_config(ctx, params), on_step=on_step, on_epoch=on_epoch,
                             data_dir=ctx.data_dir)
     except BaseException as error:
         with Session(engine) as session:
@@ -133,11 +122,19 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
 
 class AttemptRecorder(tune.Callback):
     """Tune callback on the driver: when a trial's process dies without reporting (killed,
-    out of memory), the attempt it had started is marked failed — it stays charged."""
+    out of memory), the attempt it had started is marked failed — it stays charged. Tune calls
+    ``on_trial_recover`` when it will retry the trial and ``on_trial_error`` when it will not;
+    both run before any retry starts, so only the dead attempt is still open."""
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def _fail_open_attempts(self, trial: Any) -> None:
         with Session(self.ctx.engine()) as session:
             records.fail_open_attempts(session, self.ctx.job_id, int(trial.config["index"]))
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._fail_open_attempts(trial)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._fail_open_attempts(trial)

@@ -34,6 +34,7 @@ from workers.data import Dataset, hold_out, load_dataset
 from workers.dp import PrivateStep, get_clipper, resolve_groups
 from workers.dp.adaptive import build_rule, gradient_noise, release_noise
 from workers.dp.optim import build_optimizer
+from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
 from workers.metrics import evaluate, group_accuracy, noisy_accuracy
 from workers.models import build_model
@@ -59,9 +60,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _validation_data(cfg: TrialConfig, dataset: Dataset) -> Dataset:
+def _validation_data(cfg: TrialConfig, dataset: Dataset, stream: SecureStream) -> Dataset:
     if cfg.validation.split == "private":
-        return hold_out(dataset, cfg.validation.fraction, cfg.seed)
+        return hold_out(dataset, cfg.validation.fraction, stream)
     if dataset.x_val is None or not dataset.val_public:
         raise ValueError(f"validation.split: dataset {dataset.name!r} has no public validation "
                          "split; use 'private' (with validation.noise)")
@@ -109,29 +110,30 @@ def plan_privacy(cfg: TrialConfig, size: int) -> Privacy:
 
 
 def _engine(cfg: TrialConfig, model: nn.Module, privacy: Privacy,
-            device: torch.device) -> PrivateStep:
+            randomness: TrialRandomness) -> PrivateStep:
     groups = resolve_groups(model, cfg.method.groups if cfg.method.style == "groups"
                             else cfg.method.style)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rule = build_rule(cfg.method, expected_batch_size=cfg.batch_size, steps=privacy.steps,
                       grad_noise=privacy.grad_noise, num_params=num_params,
-                      generator=torch.Generator().manual_seed(cfg.seed + 2))
+                      stream=randomness.release)
     return PrivateStep(model, nn.CrossEntropyLoss(reduction="none"), groups,
                        get_clipper(cfg.method.per_sample), clipping=cfg.method.clipping,
                        gamma=cfg.method.gamma, rule=rule, grad_noise=privacy.grad_noise,
                        expected_batch_size=cfg.batch_size,
                        optimizer=build_optimizer(cfg.optimizer, model),
-                       generator=torch.Generator(device=device).manual_seed(cfg.seed + 1))
+                       noise=randomness.gradient)
 
 
-def _score(cfg: TrialConfig, model: nn.Module, data: Dataset) -> dict[str, Any]:
+def _score(cfg: TrialConfig, model: nn.Module, data: Dataset, registered_size: int,
+           stream: SecureStream) -> dict[str, Any]:
     """The selection score: public validation accuracy, or the private one released through
-    the Gaussian mechanism (DESIGN.md invariant 5)."""
+    the Gaussian mechanism (DESIGN.md invariant 5), divided by the hold-out's expected size."""
     val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
     noise = cfg.validation.noise if cfg.validation.split == "private" else None
     value = (val.accuracy if noise is None else
-             noisy_accuracy(val.correct, val.total, noise,
-                            torch.Generator().manual_seed(cfg.seed + 3)))
+             noisy_accuracy(val.correct, cfg.validation.fraction * registered_size, noise,
+                            stream))
     return {"name": "val_accuracy", "value": value, "split": cfg.validation.split,
             "noise": noise}
 
@@ -143,18 +145,19 @@ def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
     paths are resolved against ``data_dir``."""
     started = time.perf_counter()
     device = resolve_device(cfg.device)
+    randomness = TrialRandomness()  # fresh OS entropy for every attempt (invariant 8)
     full = load_dataset(cfg.dataset, data_dir)
     privacy = plan_privacy(cfg, full.size)  # before any hold-out: see workers.dp.sampling
-    data = _validation_data(cfg, full)
+    data = _validation_data(cfg, full, randomness.holdout)
     data = replace(data, x=data.x.to(device), y=data.y.to(device),
                    x_val=data.x_val.to(device), y_val=data.y_val.to(device))  # type: ignore[union-attr]
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(randomness.init_seed())
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
-    engine = _engine(cfg, model, privacy, device)
+    engine = _engine(cfg, model, privacy, randomness)
 
     thresholds, metrics = [], []
-    sampling = torch.Generator().manual_seed(cfg.seed)
-    batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, sampling)
+    batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps,
+                              randomness.sampling)
     for t, indices in enumerate(batches):
         chunks = [(data.x[i], data.y[i])
                   for i in micro_batches(indices.to(device), cfg.physical_batch_size)]
@@ -184,7 +187,7 @@ def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
         "rdp_order": order,
         "thresholds": thresholds if cfg.method.adaptive else None,
         "metrics": metrics,
-        "score": _score(cfg, model, data),
+        "score": _score(cfg, model, data, full.size, randomness.validation),
         "wall_time_s": time.perf_counter() - started,
         "device": str(device),
     }

@@ -25,6 +25,7 @@ from service.accounting.rdp import (
 )
 from service.accounting.tuning import (
     LiuTalwarBound,
+    cap_delta,
     liu_talwar,
     ps_epsilon,
     trials_tail,
@@ -37,6 +38,7 @@ __all__ = [
     "Charge",
     "LiuTalwarBound",
     "calibrate_noise",
+    "cap_delta",
     "compose",
     "dataset_epsilon",
     "dpsgd_epsilon",

@@ -15,7 +15,7 @@ import numpy as np
 
 from service.accounting import checks
 from service.accounting.rdp import compose, epsilon_from_rdp, rdp_curve
-from service.accounting.tuning import liu_talwar, ps_epsilon, trials_tail, tuning_rdp
+from service.accounting.tuning import cap_delta, liu_talwar, ps_epsilon, trials_tail, tuning_rdp
 
 #: accounting method -> (required parameters, optional parameters with defaults)
 METHODS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -57,12 +57,29 @@ class Charge:
     eps_delta: tuple[float, float] | None = field(default=None)
 
 
-def job_charge(trial: np.ndarray, delta: float, method: str, **params: Any) -> Charge:
+def job_charge(
+    trial: np.ndarray,
+    delta: float,
+    method: str,
+    *,
+    statement_epsilon: float | None = None,
+    **params: Any,
+) -> Charge:
     """The ledger charge of a job whose every trial has RDP curve ``trial``.
 
     ``rdp`` and ``ps`` charges are RDP curves, so they compose tightly with the dataset's other
-    charges; ``lt`` is an (ε, δ) statement and is charged as one. A ``ps`` cap on K adds
-    P[K > cap] as a (0, tail) charge.
+    charges; ``lt`` is an (ε, δ) statement (Liu & Talwar, "Private Selection from Private
+    Candidates", STOC 2019, as paper 001 Thm. 1 states it) and is charged as one.
+
+    A ``ps`` cap on K (Papernot & Steinke, ICLR 2022, bound the uncapped job) is charged as
+    (0, (1 + e^ε_D)·t), t = P[K > cap]. The ledger does not state this job on its own: it
+    composes every job's curve and states the whole dataset at its composed ε_D, at the
+    dataset's δ less the (ε, δ) charges' δs (DESIGN.md invariant 7). Capping this job moves the
+    whole composed transcript by at most t in total variation, which costs (1 + e^ε_D)·t at that
+    statement (:func:`~service.accounting.tuning.cap_delta`), not (1 + e^ε_job)·t: ε_D can be
+    larger than the job's own ε. ε_D is not known when the job is admitted (later jobs add to
+    it), so ``statement_epsilon`` must be an upper bound on it that always holds — the
+    dataset's lifetime budget ε, above which admission refuses any job (invariant 2).
     """
     p = method_params(method, params)
     if method == "single":
@@ -75,8 +92,11 @@ def job_charge(trial: np.ndarray, delta: float, method: str, **params: Any) -> C
     curve = tuning_rdp(trial, p["mean"], p["eta"])
     if p["max_trials"] is None:
         return Charge(rdp=curve)
+    if statement_epsilon is None:
+        raise ValueError("statement_epsilon (the dataset's budget ε) is required to charge a "
+                         "cap on K")
     tail = trials_tail(p["mean"], p["eta"], checks.count("max_trials", p["max_trials"]))
-    return Charge(rdp=curve, eps_delta=(0.0, tail))
+    return Charge(rdp=curve, eps_delta=(0.0, cap_delta(tail, statement_epsilon)))
 
 
 def job_epsilon(trial: np.ndarray, delta: float, method: str, **params: Any) -> float:

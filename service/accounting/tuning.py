@@ -106,6 +106,50 @@ def tuning_rdp(trial_rdp: np.ndarray, mean: float, eta: float | None) -> np.ndar
     return np.asarray(rdp_lib._compute_rdp_repeat_and_select(ORDERS, trial_rdp, m, shape))
 
 
+def cap_delta(tail: float, epsilon: float) -> float:
+    """δ that a cap on K costs in an (ε, δ) statement: (1 + e^ε)·t with t = P[K > cap].
+
+    The capped job M' is the uncapped one M except on the event K > cap, so on every dataset
+    the output distributions of M' and M are within total variation distance t. If M is
+    (ε, δ')-DP then for neighbours D, D' and every set S of outputs
+    P[M'(D)∈S] ≤ P[M(D)∈S] + t ≤ e^ε·P[M(D')∈S] + δ' + t ≤ e^ε·(P[M'(D')∈S] + t) + δ' + t,
+    so M' is (ε, δ' + (1 + e^ε)·t)-DP — the cap costs (1 + e^ε)·t, not t. The argument holds
+    for any mechanism that runs M' among others (the whole transcript is still within t), at
+    the ε of that mechanism's statement.
+    """
+    t = checks.at_least("tail", tail, 0.0)
+    if t > 1:
+        raise ValueError(f"tail must be a probability, got {t}")
+    eps = checks.at_least("epsilon", epsilon, 0.0)
+    return t + math.exp(eps + math.log(t)) if t > 0 else 0.0  # e^ε·t without overflowing e^ε
+
+
+#: relative margin above the least fixed point ε = ε_rdp(δ − (1 + e^ε)·t) that ps_epsilon returns
+_FIXED_POINT_SLACK = 1e-9
+_FIXED_POINT_ITERATIONS = 200
+
+
+def _capped_epsilon(curve: np.ndarray, delta: float, tail: float) -> float:
+    """Least ε (to a relative 10⁻⁹, from above) with ε ≥ f(ε) := ε_rdp(δ − (1 + e^ε)·t), or
+    ``inf`` when there is none: at such an ε the uncapped job is (ε, δ − (1 + e^ε)·t)-DP, hence
+    the capped one (ε, δ)-DP (:func:`cap_delta`).
+
+    f increases in ε, so the iteration ε ← f(ε)·(1 + slack) from 0 increases monotonically; it
+    stops at the first ε with f(ε) ≤ ε, which lies within the slack of the least fixed point. It
+    contracts fast (f' ≈ e^ε·t / ((α − 1)·(δ − (1 + e^ε)t)) ≪ 1 for the caps the planner picks).
+    """
+    eps_max = math.log(delta / tail - 1) if tail > 0 else math.inf  # (1 + e^ε_max)·t = δ
+    eps = 0.0
+    for _ in range(_FIXED_POINT_ITERATIONS):
+        if eps >= eps_max:
+            return math.inf  # no δ is left for the uncapped job
+        needed = epsilon_from_rdp(curve, delta - cap_delta(tail, eps))[0]
+        if needed <= eps:
+            return eps
+        eps = needed * (1 + _FIXED_POINT_SLACK)
+    return math.inf
+
+
 def ps_epsilon(
     trial_rdp: np.ndarray,
     delta: float,
@@ -113,12 +157,22 @@ def ps_epsilon(
     eta: float | None,
     max_trials: int | None = None,
 ) -> float:
-    """ε at overall δ of a Papernot–Steinke job. A cap on K (the driver never runs more than
-    ``max_trials``) costs P[K > cap] of δ: the job is the uncapped one except on that event."""
+    """ε at overall δ of a Papernot–Steinke job (Papernot & Steinke, "Hyperparameter Tuning
+    with Renyi Differential Privacy", ICLR 2022), the RDP curve of :func:`tuning_rdp`.
+
+    The driver never runs more than ``max_trials``; that cap costs (1 + e^ε)·P[K > cap] of δ at
+    the statement's own ε (:func:`cap_delta`), so ε is the least fixed point of
+    ε = ε_rdp(δ − (1 + e^ε)·P[K > cap]). Raises ``ValueError`` when the cap leaves no δ even at
+    ε = 0 (2·P[K > cap] ≥ δ); returns ``inf`` when the trials are too costly for any ε.
+    """
     d = checks.probability("delta", delta)
     curve = tuning_rdp(trial_rdp, mean, eta)
-    if max_trials is not None:
-        d -= trials_tail(mean, eta, checks.count("max_trials", max_trials))
-        if d <= 0:
-            raise ValueError("max_trials is too small: P[K > max_trials] exceeds delta")
-    return epsilon_from_rdp(curve, d)[0]
+    if max_trials is None:
+        return epsilon_from_rdp(curve, d)[0]
+    tail = trials_tail(mean, eta, checks.count("max_trials", max_trials))
+    if cap_delta(tail, 0.0) >= d:
+        raise ValueError(
+            f"max_trials is too small: P[K > max_trials] = {tail:.3g} leaves no δ: the cap costs "
+            f"(1 + e^ε)·{tail:.3g} ≥ {cap_delta(tail, 0.0):.3g}, not below δ = {d:g}"
+        )
+    return _capped_epsilon(curve, d, tail)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -11,10 +10,10 @@ from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from service import ledger
+from service import ledger, visibility
 from service.api.deps import Caller, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import field_error
-from service.db import Dataset, Job, LedgerEntry
+from service.db import Dataset
 from service.spec import Scalar
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
@@ -29,6 +28,10 @@ class DatasetIn(BaseModel):
     source: str = Field(pattern=SOURCE, description="builtin:digits, builtin:mnist1d, "
                         "builtin:heavy_tail or npz:<file under DATA_DIR>")
     options: dict[str, Scalar] = Field(default_factory=dict, max_length=20)
+    num_classes: int | None = Field(
+        None, ge=2, le=100_000, description="the declared label set {0, …, num_classes − 1}: "
+        "required for npz files (it is public, so it is not read off the private labels); "
+        "optional for builtins, which must then match")
     epsilon: float = Field(gt=0, le=100, description="lifetime budget ε")
     delta: float = Field(gt=0, lt=1, description="lifetime budget δ")
 
@@ -50,6 +53,8 @@ class DatasetOut(BaseModel):
 
 
 class EntryOut(BaseModel):
+    """A ledger row as the caller sees it (:func:`service.visibility.ledger_entries`)."""
+
     id: int
     kind: str
     reference: str | None
@@ -58,7 +63,8 @@ class EntryOut(BaseModel):
                                   "(null when its δ alone exceeds the dataset's)")
     delta: float = Field(description="δ charged by basic composition (Liu–Talwar jobs, caps)")
     note: str
-    created_at: datetime
+    created_at: datetime | None = Field(description="null for analysts on rows of random-"
+                                        "stopping jobs (lt, ps): their time depends on K")
 
 
 class BudgetOut(BaseModel):
@@ -96,16 +102,17 @@ def register(
     if session.execute(select(Dataset.id).where(Dataset.name == body.name)).first():
         raise field_error("name", f"a dataset named {body.name!r} exists", 409)
     try:
-        info = describe(body.source, settings.data_path, body.options)
+        info = describe(body.source, settings.data_path, body.options, body.num_classes)
     except (ValueError, OSError, KeyError) as error:
         named, _, reason = str(error).removeprefix("dataset.").partition(": ")
-        if named.startswith("options.") and reason:
+        if (named.startswith("options.") or named == "num_classes") and reason:
             raise field_error(named, reason) from None
-        raise field_error("source", f"cannot load {body.source!r}: {error}") from None
+        raise field_error("source", f"cannot load {body.source!r}: {reason or error}") from None
     dataset = Dataset(
         name=body.name, source=body.source, options=body.options, n=info.n,
         num_classes=info.num_classes, input_shape=list(info.input_shape),
         public_validation=info.public_validation, epsilon=body.epsilon, delta=body.delta,
+        content_sha256=info.sha256,
     )
     session.add(dataset)
     session.commit()
@@ -128,21 +135,9 @@ def get_budget(dataset_id: int, session: SessionDep, caller: Caller) -> BudgetOu
     """Spent and reserved ε, composed over the whole ledger (DESIGN.md invariant 7)."""
     dataset = visible_dataset(session, caller, dataset_id)
     state = ledger.budget(session, dataset)
-    own = set(session.execute(select(Job.id).where(Job.owner_key_id == caller.key_id)).scalars())
+    entries = visibility.ledger_entries(session, caller, dataset, state.entries)
     return BudgetOut(
         epsilon=state.epsilon, delta=state.delta, spent=state.spent, reserved=state.reserved,
         remaining=state.remaining,
-        entries=[_entry(e, dataset.delta, caller.is_operator or e.job_id in own)
-                 for e in state.entries],
-    )
-
-
-def _entry(entry: LedgerEntry, delta: float, identify: bool) -> EntryOut:
-    """A ledger row; which job it belongs to is shown to operators and to the job's owner."""
-    eps = ledger.entry_epsilon(entry, delta)
-    return EntryOut(
-        id=entry.id, kind=entry.kind, reference=entry.reference if identify else None,
-        job=entry.job_id if identify else None,
-        epsilon=eps if math.isfinite(eps) else None, delta=entry.delta, note=entry.note,
-        created_at=entry.created_at,
+        entries=[EntryOut.model_validate(e, from_attributes=True) for e in entries],
     )

@@ -1,7 +1,10 @@
-"""Tuning jobs: admission, state, trials (filtered by DESIGN.md invariant 4), cancel, model."""
+"""Tuning jobs: admission, state, trials, cancel, model. What a caller sees of a job is decided
+by :mod:`service.visibility` (DESIGN.md invariants 4 and 11)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import asdict
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -10,7 +13,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from service import accounting, jobs, ledger
+from service import jobs, visibility
 from service.api.deps import (
     Caller,
     OrchestratorDep,
@@ -21,7 +24,7 @@ from service.api.deps import (
 )
 from service.api.errors import field_error
 from service.auth import Principal
-from service.db import Job, Trial
+from service.db import Job
 from service.planning import plan_job
 from service.spec import JobSpec
 
@@ -29,8 +32,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 class Progress(BaseModel):
-    """How far a job is. Under random stopping (lt, ps) analysts see ``"random"`` totals and
-    no count of trials done: the number of trials is not a DP output (invariant 4)."""
+    """How far a job is. Under random stopping (lt, ps) the total is ``"random"`` and analysts
+    see no count of trials done: the number of trials is not a DP output (invariant 4)."""
 
     trials_done: int | None
     trials_total: int | Literal["random"]
@@ -38,6 +41,9 @@ class Progress(BaseModel):
 
 
 class JobOut(BaseModel):
+    """Under random stopping (lt, ps) an analyst sees no start or end time (they would tell
+    how many trials ran) and the status queued → running → released | failed | cancelled."""
+
     id: int
     dataset: int
     status: str
@@ -68,70 +74,24 @@ class TrialOut(BaseModel):
     epsilon: float | None = None  # what this trial's attempts cost, at the dataset's δ
 
 
-def _shown_trials(job: Job, caller: Principal) -> list[Trial]:
-    """Invariant 4: under random stopping (lt, ps) analysts see only the released trial."""
-    if caller.is_operator or job.accounting == "rdp":
-        return job.trials
-    released = job.artifact.trial_id if job.artifact else None
-    return [t for t in job.trials if t.id == released]
+class ModelFile(FileResponse):
+    """The released weights without ``Last-Modified`` and a time-based ``ETag``: the file was
+    written when the job ended, a time that under random stopping depends on K (invariant
+    11). Its ETag is its SHA-256."""
 
-
-def progress(job: Job, caller: Principal) -> Progress:
-    scores = [t.score for t in _shown_trials(job, caller) if t.score is not None]
-    best = (max if job.spec["selection"]["mode"] == "max" else min)(scores) if scores else None
-    fixed = job.accounting == "rdp"
-    done = sum(t.status in ("succeeded", "failed") for t in job.trials)
-    return Progress(
-        trials_done=done if fixed or caller.is_operator else None,
-        trials_total=job.plan["trials"]["max"] if fixed else "random",
-        best_score=best,
-    )
+    def set_stat_headers(self, stat_result: os.stat_result) -> None:
+        self.headers.setdefault("content-length", str(stat_result.st_size))
 
 
 def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> JobOut:
-    return JobOut(
-        id=job.id, dataset=job.dataset_id, status=job.status, accounting=job.accounting,
-        plan=job.plan, spec=job.spec, released=job.artifact is not None,
-        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        error=job.error if caller.is_operator else None, progress=progress(job, caller),
-        dashboard_url=dashboard_url if caller.is_operator else None,
-    )
+    view = visibility.job_view(job, caller, dashboard_url)
+    return JobOut(id=job.id, dataset=job.dataset_id, accounting=job.accounting, plan=job.plan,
+                  spec=job.spec, created_at=job.created_at, **asdict(view))
 
 
 def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
-    """Invariant 4. Operators see everything. Analysts see DP outputs only — parameters, the
-    DP selection score, metrics marked public — and under random stopping (lt, ps) only the
-    released trial, without its index (the number of trials run is not a DP output)."""
-    released = job.artifact.trial_id if job.artifact else None
-    if caller.is_operator:
-        curve = ledger.trial_rdp(job) if job.trials else None
-
-        def epsilon(attempts: int) -> float | None:
-            """What a trial's attempts cost on their own (the job's charge is the ledger's)."""
-            if not attempts:
-                return None
-            return accounting.epsilon_from_rdp(attempts * curve, job.plan["delta"])[0]
-
-        return [
-            TrialOut(
-                index=t.index, params=t.params, score=t.score, metrics=t.metrics,
-                thresholds=t.thresholds, released=t.id == released, status=t.status,
-                steps=t.steps, epsilon=epsilon(len(t.attempts)),
-                attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
-                           "started_at": a.started_at.isoformat(),
-                           "ended_at": a.ended_at.isoformat() if a.ended_at else None}
-                          for a in t.attempts],
-            )
-            for t in job.trials
-        ]
-    return [
-        TrialOut(
-            index=t.index if job.accounting == "rdp" else None, params=t.params, score=t.score,
-            metrics=[m for m in t.metrics if m.get("public") is True], thresholds=t.thresholds,
-            released=t.id == released,
-        )
-        for t in _shown_trials(job, caller)
-    ]
+    return [TrialOut.model_validate(t, from_attributes=True)
+            for t in visibility.trials(job, caller)]
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED)
@@ -146,7 +106,7 @@ def submit(
     """Plan the job and reserve its full cost in one transaction (409 when it does not fit;
     nothing is reserved). A repeated ``Idempotency-Key`` returns the first job."""
     dataset = visible_dataset(session, caller, spec.dataset)
-    planned = plan_job(spec, dataset)
+    planned = plan_job(spec, dataset, session)
     try:
         job, new = jobs.admit(session, caller, spec, planned, idempotency_key)
     except jobs.BudgetExceeded as error:
@@ -197,8 +157,12 @@ def cancel(
     job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
 ) -> JobOut:
     """Ask the job to stop. Privacy already consumed is not refunded (invariant 3); the
-    reservation of what never ran is released once the job has stopped."""
+    reservation of what never ran is released once the job has stopped. 409 for an analyst's
+    started job that holds its release (:func:`service.visibility.cancel_refusal`)."""
     job = visible_job(session, caller, job_id)
+    refusal = visibility.cancel_refusal(job, caller)
+    if refusal is not None:
+        raise field_error("job", refusal, status.HTTP_409_CONFLICT)
     orchestrator.cancel(job.id)
     jobs.refresh(session, orchestrator, job)
     return job_out(session.get(Job, job_id), caller)
@@ -206,19 +170,21 @@ def cancel(
 
 @router.get(
     "/{job_id}/model",
-    response_class=FileResponse,
+    response_class=ModelFile,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 def get_model(job_id: int, session: SessionDep, caller: Caller, settings: SettingsDep) -> Any:
     """The released weights as safetensors; the trial config is in the file's metadata
     (``config``). 409 until a model is released."""
     job = visible_job(session, caller, job_id)
-    if job.artifact is None:
-        raise field_error("job", f"job {job_id} has no released model (status {job.status})",
+    view = visibility.job_view(job, caller)
+    if not view.released:
+        raise field_error("job", f"job {job_id} has no released model (status {view.status})",
                           status.HTTP_409_CONFLICT)
     path = (settings.data_path / job.artifact.path).resolve()
     if not path.is_relative_to(settings.data_path):
         raise RuntimeError(f"artifact path {job.artifact.path!r} escapes DATA_DIR")
-    return FileResponse(path, media_type="application/octet-stream",
-                        filename=f"job-{job_id}.safetensors",
-                        headers={"X-Dptune-Sha256": job.artifact.sha256})
+    sha256 = job.artifact.sha256
+    return ModelFile(path, media_type="application/octet-stream",
+                     filename=f"job-{job_id}.safetensors",
+                     headers={"X-Dptune-Sha256": sha256, "ETag": f'"{sha256}"'})

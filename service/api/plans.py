@@ -22,7 +22,7 @@ class PlanOut(Plan):
 @router.post("")
 def plan(spec: JobSpec, session: SessionDep, caller: Caller) -> PlanOut:
     dataset = visible_dataset(session, caller, spec.dataset)
-    planned = plan_job(spec, dataset)
+    planned = plan_job(spec, dataset, session)
     now = ledger.budget(session, dataset)
     after = ledger.budget(session, dataset, plus=ledger.amount(planned.reservation))
     return PlanOut(

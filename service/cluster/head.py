@@ -82,7 +82,11 @@ def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None)
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
     log.info("starting a local Ray head: %s", " ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    # Ray's processes (and so every trial) inherit the head's environment: keep the service's
+    # own settings — the operator key, the database URL — out of it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUNE_")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                          env=env)
     if done.returncode != 0:
         raise RuntimeError(f"could not start a local Ray head:\n{done.stderr[-2000:]}")
 

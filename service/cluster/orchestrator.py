@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,19 +26,45 @@ _STATES = {
 }
 
 
+
+def write_secret(path: Path, value: str) -> Path:
+    """Write ``value`` to ``path`` readable by its owner only (created with mode 0600, never
+    world-readable in between)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(value)
+    return path
+
+
 @dataclass
 class RayOrchestrator:
     """Runs jobs on the cluster behind ``connection``. The driver reads the job from the same
-    database (``database_url``) and writes trials, charges and the released model to it."""
+    database (``database_url``) and writes trials, charges and the released model to it.
+
+    A Ray job's runtime environment is visible to anyone who can open the Ray dashboard, so it
+    carries an explicit allow-list (:meth:`runtime_env`): the data directory, the *path* of a
+    0600 file under it holding the database URL, and nothing else — never the operator key or
+    any other ``DPTUNE_*`` setting of the service."""
 
     connection: RayConnection
     database_url: str
     data_dir: Path
     client: JobSubmissionClient = field(init=False)
+    database_url_file: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.client = JobSubmissionClient(self.connection.dashboard_url,
                                           headers=self.connection.headers)
+        self.database_url_file = write_secret(
+            self.data_dir.resolve() / "secrets" / "database_url", self.database_url)
+
+    def runtime_env(self) -> dict[str, dict[str, str]]:
+        return {"env_vars": {
+            "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
+            "DPTUNE_DATABASE_URL_FILE": str(self.database_url_file),
+            "PYTHONUNBUFFERED": "1",
+        }}
 
     def submission_id(self, job_id: int) -> str:
         database = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
@@ -51,12 +76,7 @@ class RayOrchestrator:
             submission_id=self.submission_id(submission.job_id),
             metadata={"dptune_job": str(submission.job_id),
                       "dataset": submission.dataset_source},
-            runtime_env={"env_vars": {
-                **{k: v for k, v in os.environ.items() if k.startswith("DPTUNE_")},
-                "DPTUNE_DATABASE_URL": self.database_url,
-                "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
-                "PYTHONUNBUFFERED": "1",
-            }},
+            runtime_env=self.runtime_env(),
         )
 
     def status(self, job_id: int) -> JobState:

@@ -90,6 +90,9 @@ class Dataset(Base):
     public_validation: Mapped[bool]
     epsilon: Mapped[float] = mapped_column(Float)  # lifetime budget
     delta: Mapped[float] = mapped_column(Float)
+    #: SHA-256 of the data at registration: trials refuse data that changed since (the plan's
+    #: q = B/N and T were computed from the registered N)
+    content_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize
-from scipy.stats import norm
+from scipy.stats import norm, poisson
 
 from service.accounting import (
     ORDERS,
@@ -173,16 +173,59 @@ def test_trials_tail_against_the_pmf(mean: float, eta: float | None) -> None:
     assert trials_tail(mean, eta, cap) == pytest.approx(1 - sum(pmf), rel=1e-5, abs=1e-15)
 
 
-def test_capped_trials_pay_the_tail_in_delta() -> None:
+def assert_least_fixed_point(curve: np.ndarray, eps: float, tail: float) -> None:
+    """ε is (to 10⁻⁶) the least ε with ε ≥ ε_rdp(δ − (1 + e^ε)·t): the uncapped job is
+    (ε, δ − (1 + e^ε)·t)-DP, so the capped one is (ε, δ)-DP, and no smaller ε is."""
+    assert eps >= epsilon_from_rdp(curve, DELTA - (1 + math.exp(eps)) * tail)[0]
+    below = eps * (1 - 1e-6)
+    assert below < epsilon_from_rdp(curve, DELTA - (1 + math.exp(below)) * tail)[0]
+
+
+@pytest.mark.parametrize("cap", [150, 200, 400])
+def test_geometric_cap_costs_one_plus_e_to_the_epsilon_times_the_tail(cap: int) -> None:
+    """Capping K changes the output with probability t = P[K > cap] on both neighbours, which
+    costs (1 + e^ε)·t of δ; geometric K (η = 1) has P[K > k] = (1 − 1/mean)^k."""
+    mean, budget = 10.0, 8.0
     trial = rdp_curve(0.01, 1.0, 500)
-    cap, mean = 150, 10.0
-    tail = 0.9**cap  # geometric
-    capped = tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
-    expected = epsilon_from_rdp(tuning_rdp(trial, mean, 1.0), DELTA - tail)[0]
-    assert capped == pytest.approx(expected, rel=1e-6)
-    assert capped > tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=1.0)
-    charge = job_charge(trial, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
-    assert charge.eps_delta == pytest.approx((0.0, tail), rel=1e-6)
+    curve = tuning_rdp(trial, mean, 1.0)
+    tail = (1 - 1 / mean) ** cap
+    eps = tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
+    assert_least_fixed_point(curve, eps, tail)
+    assert eps > epsilon_from_rdp(curve, DELTA - tail)[0]  # more than charging t alone
+    charge = job_charge(trial, DELTA, "ps", statement_epsilon=budget, mean=mean, eta=1.0,
+                        max_trials=cap)
+    assert np.array_equal(charge.rdp, curve)
+    assert charge.eps_delta[0] == 0.0
+    assert charge.eps_delta[1] == pytest.approx((1 + math.exp(budget)) * tail, rel=1e-9)
+
+
+def test_poisson_cap_costs_one_plus_e_to_the_epsilon_times_the_tail() -> None:
+    mean, cap, budget = 10.0, 40, 20.0
+    trial = rdp_curve(0.01, 1.0, 500)
+    tail = poisson.sf(cap, mean)
+    eps = tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=None, max_trials=cap)
+    assert_least_fixed_point(tuning_rdp(trial, mean, None), eps, tail)
+    charge = job_charge(trial, DELTA, "ps", statement_epsilon=budget, mean=mean, eta=None,
+                        max_trials=cap)
+    assert charge.eps_delta[1] == pytest.approx((1 + math.exp(budget)) * tail, rel=1e-9)
+
+
+def test_a_cap_that_leaves_no_delta_is_refused() -> None:
+    trial = rdp_curve(0.01, 1.0, 500)
+    cap = 105  # 0.9^105 = 1.6e-5: 2t > δ, so no ε leaves any δ
+    with pytest.raises(ValueError, match="max_trials is too small"):
+        tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=10.0, eta=1.0, max_trials=cap)
+    with pytest.raises(ValueError, match="statement_epsilon"):
+        job_charge(trial, DELTA, "ps", mean=10.0, eta=1.0, max_trials=200)
+
+
+def test_capped_calibration_lands_on_the_fixed_point() -> None:
+    q, steps, mean, cap = 0.02, 300, 8.0, 120
+    sigma = calibrate_noise(q, steps, 3.0, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
+    eps = tuning_epsilon(q, sigma, steps, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
+    assert 3.0 * (1 - 1e-3) <= eps <= 3.0
+    curve = tuning_rdp(rdp_curve(q, sigma, steps), mean, 1.0)
+    assert_least_fixed_point(curve, eps, (1 - 1 / mean) ** cap)
 
 
 def test_dataset_rule_of_invariant_7() -> None:

@@ -59,6 +59,20 @@ class Service:
                              f"{self.orchestrator.logs(job_id)[-4000:]}")
 
 
+def trial_processes() -> list[int]:
+    """PIDs of Ray workers running a Tune trial right now (Ray titles them
+    ``ray::ImplicitFunc.train`` while they train): a test kills one to inject a crash."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
+                    b"ray::ImplicitFunc"):
+                pids.append(int(proc.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return pids
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "data"

@@ -31,9 +31,9 @@ class Api:
     operator: dict[str, str]
 
     def register(self, name: str = "digits", epsilon: float = 4.0, delta: float = 1e-5,
-                 source: str = "builtin:digits") -> dict[str, Any]:
+                 source: str = "builtin:digits", **extra: Any) -> dict[str, Any]:
         r = self.client.post("/v1/datasets", headers=self.operator, json={
-            "name": name, "source": source, "epsilon": epsilon, "delta": delta})
+            "name": name, "source": source, "epsilon": epsilon, "delta": delta, **extra})
         assert r.status_code == 201, r.text
         return r.json()
 

@@ -146,7 +146,8 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
 
     trial = session.get(Job, jid).trials[1]
     weights = {"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    release_model(session, settings.data_path, trial.id, weights, {"model": {"name": "mlp"}})
+    release_model(session, settings.data_path, trial.id, weights, {"model": {"name": "mlp"}},
+                  {"num_classes": 10, "input_shape": [64]})
     jobs.apply_state(session, jid, JobState.SUCCEEDED)
 
     seen = c.get(f"/v1/jobs/{jid}/trials", headers=ana).json()

@@ -127,7 +127,7 @@ def test_npz_dataset_under_data_dir(api, settings):
     rng = np.random.default_rng(0)
     np.savez(settings.data_path / "mine.npz", x=rng.normal(size=(300, 5)).astype(np.float32),
              y=rng.integers(0, 3, size=300))
-    dataset = api.register("mine", source="npz:mine.npz")
+    dataset = api.register("mine", source="npz:mine.npz", num_classes=3)
     assert (dataset["n"], dataset["num_classes"], dataset["input_shape"]) == (300, 3, [5])
     assert not dataset["public_validation"]
     r = api.client.post("/v1/datasets", headers=api.operator, json={
@@ -139,7 +139,8 @@ def test_lt_refused_when_dataset_delta_is_used_up(client, api, dataset, ana, spe
     assert client.post("/v1/jobs", headers=ana, json=spec(dataset["id"])).status_code == 202
     body = spec(dataset["id"], epsilon=2.0, accounting="lt", gamma=0.3)
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
-    r = client.post("/v1/jobs", headers=ana, json=body)  # δ defaults to all of the dataset's
+    body["privacy"]["delta"] = 1e-5  # all of the dataset's δ, by basic composition
+    r = client.post("/v1/jobs", headers=ana, json=body)
     assert r.status_code == 409 and r.json()["detail"].startswith("privacy.delta:")
     body["privacy"]["delta"] = 5e-6
     assert client.post("/v1/jobs", headers=ana, json=body).status_code == 202

@@ -17,6 +17,7 @@ from workers.dp.adaptive import (
     percentile_threshold,
     release_noise,
 )
+from workers.dp.randomness import SecureStream
 
 
 def synthetic(seed=0):
@@ -26,9 +27,9 @@ def synthetic(seed=0):
 
 def test_histogram_counts_and_overflow_bin():
     norms = torch.tensor([0.0, 0.49, 0.5, 1.7, 2.0, 9.0, float("nan"), float("inf")])
-    hist = noisy_histogram(norms, 2.0, 4, 0.0, torch.Generator())
+    hist = noisy_histogram(norms, 2.0, 4, 0.0, SecureStream())
     assert hist.tolist() == [2, 1, 0, 5]  # bins of width 0.5; ≥ 2 (or not finite) in the last
-    noisy = noisy_histogram(norms, 2.0, 4, 3.0, torch.Generator().manual_seed(0))
+    noisy = noisy_histogram(norms, 2.0, 4, 3.0, SecureStream())
     assert not torch.equal(noisy, hist)
 
 
@@ -36,7 +37,7 @@ def test_histogram_counts_and_overflow_bin():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dcsgd_p_lands_within_a_bin_of_the_true_percentile(p, seed):
     norms, range_, bins = synthetic(seed), 200.0, 20
-    hist = noisy_histogram(norms, range_, bins, 0.1, torch.Generator().manual_seed(seed))
+    hist = noisy_histogram(norms, range_, bins, 0.1, SecureStream())
     estimate = percentile_threshold(hist, range_, p)
     assert abs(estimate - np.quantile(norms.numpy(), p)) <= range_ / bins
 
@@ -44,7 +45,7 @@ def test_dcsgd_p_lands_within_a_bin_of_the_true_percentile(p, seed):
 def test_dcsgd_p_rule_sets_range_to_twice_the_threshold():
     cfg = MethodConfig(adaptive=AdaptiveConfig(rule="dcsgd_p", histogram_noise=0.01))
     rule = build_rule(cfg, expected_batch_size=256, steps=10, grad_noise=1.0, num_params=10,
-                      generator=torch.Generator())
+                      stream=SecureStream())
     assert (rule.threshold, rule.range) == (1.0, 1.0)  # C₀ = 1, R₀ = 1
     for _ in range(8):  # the range grows geometrically until it covers the median
         rule.update(synthetic(), 0)
@@ -72,14 +73,14 @@ MIDS = [(k + 0.5) * 12.0 for k in range(20)]  # bins of [0, 240]
 @pytest.mark.parametrize("a", [0.05, 0.3, 1.0])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_dcsgd_e_picks_the_brute_force_minimiser_on_a_noiseless_histogram(a, seed):
-    hist = noisy_histogram(synthetic(seed), 240.0, 20, 0.0, torch.Generator())
+    hist = noisy_histogram(synthetic(seed), 240.0, 20, 0.0, SecureStream())
     expected = brute_force_error(MIDS, hist.tolist(), grid(100.0), a)
     assert expected not in (grid(100.0)[0], grid(100.0)[-1])
     assert error_threshold(hist, 240.0, 100.0, a) == pytest.approx(expected)
 
 
 def test_dcsgd_e_recentres_on_a_boundary_minimiser():
-    hist = noisy_histogram(synthetic(), 240.0, 20, 0.0, torch.Generator())
+    hist = noisy_histogram(synthetic(), 240.0, 20, 0.0, SecureStream())
     weights, start, a = hist.tolist(), 5.0, 0.3
     chosen = error_threshold(hist, 240.0, start, a)
     centres = [start * 2**k for k in range(12)]
@@ -107,7 +108,7 @@ def test_cautious_range_update():
 
 def test_andrew_geometric_quantile_update():
     rule = QuantileRule(2.0, target=0.3, learning_rate=0.2, count_noise=1e-9,
-                        expected_batch_size=8, generator=torch.Generator())
+                        expected_batch_size=8, stream=SecureStream())
     norms = torch.tensor([0.5, 1.0, 1.5, 2.5, 3.0, 4.0, 5.0, 6.0])  # 3 of 8 unclipped
     rule.update(norms, 0)
     assert rule.threshold == pytest.approx(2.0 * math.exp(-0.2 * (3 / 8 - 0.3)))
@@ -133,6 +134,6 @@ def test_release_noise_per_rule():
     assert release_noise(method(rule="andrew"), 64) == pytest.approx(2 * 64 / 20)
     assert release_noise(method(rule="andrew", count_noise=4.0), 64) == 8.0
     e = build_rule(method(rule="dcsgd_e"), expected_batch_size=50, steps=3, grad_noise=2.0,
-                   num_params=1000, generator=torch.Generator())
+                   num_params=1000, stream=SecureStream())
     assert e.range == 20.0  # R₀ = b
     assert e.variance_coef == pytest.approx(4.0 * 1000 / 2500)

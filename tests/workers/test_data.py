@@ -6,10 +6,11 @@ import torch
 
 from workers.config import DatasetConfig
 from workers.data import describe, hold_out, load_dataset
+from workers.dp.randomness import SecureStream
 
 
-def load(source, **options):
-    return load_dataset(DatasetConfig(source=source, options=options))
+def load(source, num_classes=None, **options):
+    return load_dataset(DatasetConfig(source=source, options=options, num_classes=num_classes))
 
 
 def test_digits():
@@ -45,14 +46,14 @@ def test_npz_with_public_validation(tmp_path):
     path = tmp_path / "mine.npz"
     np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]),
              x_val=np.ones((2, 3)), y_val=np.array([3, 0]))
-    d = load(f"npz:{path}")
+    d = load(f"npz:{path}", num_classes=4)
     assert d.num_classes == 4 and d.splits == {"train": "private", "val": "public"}
-    info = describe("npz:mine.npz", tmp_path)
+    info = describe("npz:mine.npz", tmp_path, num_classes=5)  # declared, not read off labels
     assert (info.n, info.num_classes, info.input_shape, info.public_validation) == (
-        6, 4, (3,), True)
+        6, 5, (3,), True)
     np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]))
-    assert load(f"npz:{path}").splits == {"train": "private"}
-    assert not describe("npz:mine.npz", tmp_path).public_validation
+    assert load(f"npz:{path}", num_classes=3).splits == {"train": "private"}
+    assert not describe("npz:mine.npz", tmp_path, num_classes=3).public_validation
     assert describe("builtin:digits").n == 1438
 
 
@@ -65,7 +66,7 @@ def test_npz_errors(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
     with pytest.raises(ValueError, match=f"dataset.source.*{message}"):
-        load(f"npz:{path}")
+        load(f"npz:{path}", num_classes=2)
 
 
 def test_option_errors_name_the_option():
@@ -78,6 +79,8 @@ def test_option_errors_name_the_option():
 
 
 def test_hold_out_makes_a_private_validation_split():
-    d = hold_out(load("builtin:digits"), 0.25, seed=0)
+    full = load("builtin:digits")
+    d = hold_out(full, 0.25, SecureStream())
     assert d.splits == {"train": "private", "val": "private"}
-    assert len(d.y_val) == round(0.25 * (d.size + len(d.y_val)))
+    assert d.size + len(d.y_val) == full.size
+    assert abs(len(d.y_val) - 0.25 * full.size) < 5 * (0.25 * 0.75 * full.size) ** 0.5

@@ -10,6 +10,7 @@ from workers.config import ModelConfig
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
+from workers.dp.randomness import SecureStream
 from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
 from workers.models import build_model
 
@@ -66,13 +67,25 @@ def test_sensitivity_of_the_noiseless_sum(function, style):
     assert (full - replaced).norm() > r / 2  # the bound is not vacuous here
 
 
-def make_step(model, *, noise, threshold, expected, seed=0):
+class CountingStream(SecureStream):
+    """A secure stream that counts its noise draws (test double: isolates the engine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = 0
+
+    def normal(self, shape, **kwargs):
+        self.draws += 1
+        return super().normal(shape, **kwargs)
+
+
+def make_step(model, *, noise, threshold, expected, stream=None):
     groups = resolve_groups(model, "layer_wise")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     return PrivateStep(model, LOSS, groups, clipped_grad_sum, clipping="abadi", gamma=0.01,
                        rule=ThresholdRule(threshold), grad_noise=noise,
                        expected_batch_size=expected, optimizer=optimizer,
-                       generator=torch.Generator().manual_seed(seed))
+                       noise=stream or SecureStream())
 
 
 def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b():
@@ -93,11 +106,13 @@ def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b():
     results = []
     for physical in (1, 3, 7):
         model = mlp()
-        step = make_step(model, noise=0.5, threshold=0.4, expected=10, seed=5)
+        stream = CountingStream()
+        step = make_step(model, noise=0.0, threshold=0.4, expected=10, stream=stream)
         norms = step.private_gradient(
             [(x[i], y[i]) for i in micro_batches(torch.arange(7), physical)])
         results.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert norms.shape == (7,)
+        assert stream.draws == 1  # one noise draw per logical step, however it is split
     torch.testing.assert_close(results[0], results[1])
     torch.testing.assert_close(results[0], results[2])
 
@@ -117,12 +132,12 @@ def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b():
 
 def test_realized_sample_rate_matches_q():
     n, q, steps = 2000, 0.03, 300
-    sizes = torch.tensor([len(i) for i in poisson_batches(n, q, steps, torch.Generator())])
+    sizes = torch.tensor([len(i) for i in poisson_batches(n, q, steps, SecureStream())])
     std = math.sqrt(n * q * (1 - q) / steps)
     assert abs(float(sizes.double().mean()) - n * q) < 4 * std
     assert float(sizes.double().var()) == pytest.approx(n * q * (1 - q), rel=0.25)
     counts = torch.zeros(n)
-    for idx in poisson_batches(n, q, steps, torch.Generator().manual_seed(3)):
+    for idx in poisson_batches(n, q, steps, SecureStream()):
         assert len(idx.unique()) == len(idx)
         counts[idx] += 1
     assert float(counts.mean() / steps) == pytest.approx(q, rel=0.05)
@@ -133,5 +148,31 @@ def test_sampling_helpers():
     assert num_steps(1000, 64, 2.0) == 31
     with pytest.raises(ValueError, match="batch_size"):
         sample_rate(2000, 1000)
-    empties = sum(len(i) == 0 for i in poisson_batches(10, 0.01, 50, torch.Generator()))
+    empties = sum(len(i) == 0 for i in poisson_batches(10, 0.01, 50, SecureStream()))
     assert empties > 30
+
+
+HOSTILE = {"nan": float("nan"), "inf": float("inf"), "huge": 1e20}
+
+
+@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("style", ["all_layer", "layer_wise", "param_wise", "groups"])
+@pytest.mark.parametrize("record", list(HOSTILE))
+def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
+    """DESIGN.md invariant 9: one planted record with NaN, inf or 1e20 features, sampled in
+    every step, must not make the model non-finite — otherwise whether the released model is
+    NaN tells whether the record was sampled."""
+    from workers.dp import get_clipper
+
+    model = mlp()
+    spec = [["1", "3"], ["5"]] if style == "groups" else style
+    groups = resolve_groups(model, spec)
+    step = PrivateStep(model, LOSS, groups, get_clipper(path), clipping="abadi", gamma=0.01,
+                       rule=ThresholdRule(1.0), grad_noise=1.0, expected_batch_size=8,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       noise=SecureStream())
+    x, y = batch(n=8, scale=1.0)
+    x[3] = HOSTILE[record]
+    for t in range(3):
+        step.step([(x, y)], t)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

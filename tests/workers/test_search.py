@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from service.accounting.tuning import tnb_gamma
-from workers.search import candidates, draw_trial_count
+from workers.search import candidates, draw_trial_count, random_candidate
 
 
 def test_grid_times_random_draws() -> None:
@@ -63,3 +63,18 @@ def test_cap_applies() -> None:
 def test_fixed_accounting_has_no_random_count() -> None:
     with pytest.raises(ValueError, match="accounting"):
         draw_trial_count("rdp", {"trials": 3})
+
+
+def test_random_stopping_candidates_come_from_os_entropy() -> None:
+    """Under lt/ps the released hyperparameters must not tell which draw won: candidates used
+    to be drawn from the analyst's seed, so replaying it gave the winner's index (K ≥ index)."""
+    space = {"optimizer.lr": {"log_uniform": [1e-4, 1.0]},
+             "method.clipping": {"values": ["abadi", "auto_s", "auto_v"]}}
+    draws = []
+    for _ in range(2):
+        np.random.seed(0)  # every global generator in a state the analyst could know
+        draws.append([random_candidate(space) for _ in range(5)])
+    assert draws[0] != draws[1]
+    replay = candidates(space, 5, seed=0)
+    assert all(c not in replay for c in draws[0])
+    assert all(1e-4 <= c["optimizer.lr"] <= 1.0 for c in draws[0])

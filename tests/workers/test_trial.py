@@ -2,9 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
+from randomgen import AESCounter
 
+import workers.trial
 from workers.config import TrialConfig
+from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.trial import main, run_trial
 
 BASE = {"dataset": {"source": "builtin:digits"}, "model": {"name": "logreg"},
@@ -122,7 +126,22 @@ def test_cli_writes_result_and_rejects_bad_configs(tmp_path, capsys):
         assert field in capsys.readouterr().err, field
 
 
-def test_fast_and_general_paths_train_the_same_model():
+class KeyedStream(SecureStream):
+    """A stream with a fixed key: test double for replaying a trial's randomness."""
+
+    def __init__(self, key: int) -> None:
+        self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+
+
+class Replay(TrialRandomness):
+    def __init__(self) -> None:
+        names = ("sampling", "gradient", "release", "validation", "holdout", "init")
+        for key, name in enumerate(names, start=1):
+            setattr(self, name, KeyedStream(key))
+
+
+def test_fast_and_general_paths_train_the_same_model(monkeypatch):
+    monkeypatch.setattr(workers.trial, "TrialRandomness", Replay)
     method = {**METHODS["dcsgd_p"], "style": "layer_wise"}
     runs = [run_trial(config({**method, "per_sample": path}, epochs=0.5,
                              model={"name": "mlp", "options": {"hidden": 16}})).result

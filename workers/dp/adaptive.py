@@ -20,6 +20,7 @@ from torch import Tensor
 
 from service.accounting import split_noise
 from workers.config import MethodConfig
+from workers.dp.randomness import SecureStream
 
 #: Safeguard on Algorithm 4's "repeat while the minimiser is a boundary candidate" loop (the
 #: paper states no bound); see :func:`error_threshold` for the other stopping rule.
@@ -39,7 +40,7 @@ class ThresholdRule:
 
 
 def noisy_histogram(
-    norms: Tensor, range_: float, bins: int, noise: float, generator: torch.Generator
+    norms: Tensor, range_: float, bins: int, noise: float, stream: SecureStream
 ) -> Tensor:
     """Paper 001, Algorithm 2: counts over ``bins`` equal bins of [0, range_], norms beyond the
     range in the last bin, plus N(0, noise²) per bin (sensitivity 1: one example, one count).
@@ -47,7 +48,7 @@ def noisy_histogram(
     finite = norms.detach().double().cpu().nan_to_num(nan=math.inf)
     index = (finite * bins / range_).floor().clamp(max=bins - 1).long()
     counts = torch.bincount(index, minlength=bins).double()
-    return counts + noise * torch.randn(bins, generator=generator, dtype=torch.float64)
+    return counts + noise * stream.normal(bins, dtype=torch.float64)
 
 
 def bin_midpoints(range_: float, bins: int) -> Tensor:
@@ -106,13 +107,13 @@ class PercentileRule(ThresholdRule):
     """DC-SGD-P (paper 001, Algorithms 1–3): C_{t+1} = noisy p-th percentile, R_{t+1} = 2C_{t+1}."""
 
     def __init__(self, threshold: float, *, percentile: float, bins: int, histogram_noise: float,
-                 initial_range: float, generator: torch.Generator) -> None:
+                 initial_range: float, stream: SecureStream) -> None:
         super().__init__(threshold)
         self.percentile, self.bins, self.range = percentile, bins, initial_range
-        self.release_noise, self.generator = histogram_noise, generator
+        self.release_noise, self.stream = histogram_noise, stream
 
     def update(self, norms: Tensor, step: int) -> None:
-        hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.generator)
+        hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.stream)
         self.threshold = percentile_threshold(hist, self.range, self.percentile)
         self.range = 2 * self.threshold
 
@@ -122,13 +123,13 @@ class ErrorRule(ThresholdRule):
     error of eq. 4; the histogram range follows the "cautious" update."""
 
     def __init__(self, threshold: float, *, bins: int, histogram_noise: float,
-                 initial_range: float, variance_coef: float, generator: torch.Generator) -> None:
+                 initial_range: float, variance_coef: float, stream: SecureStream) -> None:
         super().__init__(threshold)
         self.bins, self.range, self.variance_coef = bins, initial_range, variance_coef
-        self.release_noise, self.generator = histogram_noise, generator
+        self.release_noise, self.stream = histogram_noise, stream
 
     def update(self, norms: Tensor, step: int) -> None:
-        hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.generator)
+        hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.stream)
         if hist.sum() <= 0:  # the noisy count carries no usable information; keep C and R
             return
         self.threshold = error_threshold(hist, self.range, self.threshold, self.variance_coef)
@@ -145,15 +146,15 @@ class QuantileRule(ThresholdRule):
     """
 
     def __init__(self, threshold: float, *, target: float, learning_rate: float,
-                 count_noise: float, expected_batch_size: int, generator: torch.Generator) -> None:
+                 count_noise: float, expected_batch_size: int, stream: SecureStream) -> None:
         super().__init__(threshold)
         self.target, self.learning_rate, self.count_noise = target, learning_rate, count_noise
-        self.expected_batch_size, self.generator = expected_batch_size, generator
+        self.expected_batch_size, self.stream = expected_batch_size, stream
         self.release_noise = 2 * count_noise
 
     def update(self, norms: Tensor, step: int) -> None:
         centred = float((norms <= self.threshold).sum()) - 0.5 * norms.numel()
-        noisy = centred + self.count_noise * float(torch.randn(1, generator=self.generator))
+        noisy = centred + self.count_noise * float(self.stream.normal(1, dtype=torch.float64))
         unclipped = noisy / self.expected_batch_size + 0.5
         self.threshold *= math.exp(-self.learning_rate * (unclipped - self.target))
 
@@ -194,7 +195,7 @@ def gradient_noise(method: MethodConfig, expected_batch_size: int, sigma: float)
 
 
 def build_rule(method: MethodConfig, *, expected_batch_size: int, steps: int, grad_noise: float,
-               num_params: int, generator: torch.Generator) -> ThresholdRule:
+               num_params: int, stream: SecureStream) -> ThresholdRule:
     """The rule of ``method.adaptive`` (paper defaults: C₀ = ``method.threshold`` = 1, σ_H = 5,
     b = 20, R₀ = 1 for DC-SGD-P and R₀ = b for DC-SGD-E, σ_b = B/20 for Andrew et al.)."""
     a, c0 = method.adaptive, method.threshold
@@ -203,14 +204,14 @@ def build_rule(method: MethodConfig, *, expected_batch_size: int, steps: int, gr
     if a.rule == "dcsgd_p":
         return PercentileRule(c0, percentile=a.percentile, bins=a.bins,
                               histogram_noise=a.histogram_noise,
-                              initial_range=a.initial_range or 1.0, generator=generator)
+                              initial_range=a.initial_range or 1.0, stream=stream)
     if a.rule == "dcsgd_e":
         return ErrorRule(c0, bins=a.bins, histogram_noise=a.histogram_noise,
                          initial_range=a.initial_range or float(a.bins),
                          variance_coef=grad_noise**2 * num_params / expected_batch_size**2,
-                         generator=generator)
+                         stream=stream)
     if a.rule == "andrew":
         return QuantileRule(c0, target=a.percentile, learning_rate=a.learning_rate,
                             count_noise=a.count_noise or expected_batch_size / 20,
-                            expected_batch_size=expected_batch_size, generator=generator)
+                            expected_batch_size=expected_batch_size, stream=stream)
     return DecayRule(c0, decay=a.decay, total_steps=steps)

@@ -23,6 +23,7 @@ from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn
 from workers.dp.optim import AdamBC
+from workers.dp.randomness import SecureStream
 
 Clipper = Callable[
     [nn.Module, LossFn, Tensor, Tensor, list[list[str]], CoefFn], tuple[Tensor, dict[str, Tensor]]
@@ -41,12 +42,13 @@ class PrivateStep:
     def __init__(self, model: nn.Module, loss_fn: LossFn, groups: list[list[str]],
                  clipper: Clipper, *, clipping: ClippingFunction, gamma: float,
                  rule: ThresholdRule, grad_noise: float, expected_batch_size: int,
-                 optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+                 optimizer: torch.optim.Optimizer, noise: SecureStream) -> None:
         self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
         self.clipping, self.gamma, self.rule = clipping, gamma, rule
         self.grad_noise, self.expected_batch_size = grad_noise, expected_batch_size
-        self.optimizer, self.generator = optimizer, generator
+        self.optimizer, self.noise = optimizer, noise
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.sizes = [p.numel() for p in self.params.values()]
 
     def noise_std(self, threshold: float) -> float:
         """Per-coordinate std of the noise in the averaged gradient, σ_T·C_t/B."""
@@ -68,9 +70,10 @@ class PrivateStep:
             for name, s in batch_sums.items():
                 sums[name] += s.detach()
         std = self.grad_noise * threshold
-        for name, p in self.params.items():
-            noise = torch.randn(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
-            p.grad = (sums[name] + std * noise) / self.expected_batch_size
+        first = next(iter(self.params.values()))
+        noise = self.noise.normal(sum(self.sizes), device=first.device, dtype=first.dtype)
+        for (name, p), z in zip(self.params.items(), noise.split(self.sizes), strict=True):
+            p.grad = (sums[name] + std * z.view_as(p)) / self.expected_batch_size
         return torch.cat(norms)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch import Tensor
+
+from workers.dp.randomness import SecureStream
 
 
 def sample_rate(expected_batch_size: int, num_examples: int) -> float:
@@ -31,12 +32,12 @@ def num_steps(num_examples: int, expected_batch_size: int, epochs: float) -> int
 
 
 def poisson_batches(
-    num_examples: int, rate: float, steps: int, generator: torch.Generator
+    num_examples: int, rate: float, steps: int, stream: SecureStream
 ) -> Iterator[Tensor]:
-    """Yield ``steps`` index tensors, each a Poisson sample of rate ``rate`` (may be empty)."""
+    """Yield ``steps`` index tensors, each a Poisson sample of rate ``rate`` (may be empty),
+    drawn from a secure stream with float64 comparisons (:meth:`SecureStream.bernoulli`)."""
     for _ in range(steps):
-        mask = torch.rand(num_examples, generator=generator) < rate
-        yield mask.nonzero().squeeze(1)
+        yield stream.bernoulli(num_examples, rate).nonzero().squeeze(1)
 
 
 def micro_batches(indices: Tensor, physical_batch_size: int) -> list[Tensor]:

@@ -1,0 +1,272 @@
+"""What a caller may see of jobs, trials and the ledger (DESIGN.md invariants 4 and 11).
+
+The whole policy lives here; the route handlers only shape what these functions return.
+
+Operators see everything. Analysts see DP outputs only: under fixed-K composition (``rdp``)
+every trial's DP outputs. Under random stopping (``lt``, ``ps``) the charged bound holds only
+if the analyst learns nothing about the number of trials K beyond the released trial, so an
+analyst sees of such a job:
+
+- the status queued → running → released | failed (or cancelled, their own action): a job
+  that ended without a model is ``failed``, whatever the reason (K = 0, every trial failed);
+- no start or end time, no count of trials, only the released trial, without its index;
+- ledger rows without their time, and no row that carries no amount.
+
+What is left is the wall-clock channel: when the status changes. ``privacy.hold_release``
+closes most of it — the job looks ``running``, with no model, until :func:`hold_until`.
+The current time comes from :func:`now` alone, so that tests can move it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, object_session
+
+from service import accounting, ledger
+from service.auth import Principal
+from service.db import Dataset, Job, LedgerEntry, Trial, TrialAttempt
+from service.orchestrator import JobState
+
+
+def now() -> datetime:
+    """The current time: the one clock this module reads."""
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Progress:
+    trials_done: int | None
+    trials_total: int | Literal["random"]
+    best_score: float | None  # best DP selection score among the trials the caller sees
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The fields of a job that depend on who asks."""
+
+    status: str
+    released: bool
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: Progress
+    error: str | None  # may quote private data
+    dashboard_url: str | None
+
+
+@dataclass(frozen=True)
+class TrialView:
+    index: int | None
+    params: dict[str, Any]
+    score: float | None
+    metrics: list[dict[str, Any]]
+    thresholds: list[float] | None
+    released: bool
+    status: str | None = None
+    steps: int | None = None
+    attempts: list[dict[str, Any]] | None = None
+    epsilon: float | None = None
+
+
+@dataclass(frozen=True)
+class EntryView:
+    id: int
+    kind: str
+    reference: str | None
+    job: int | None
+    epsilon: float | None
+    delta: float
+    note: str
+    created_at: datetime | None
+
+
+def _k_secret(job: Job, caller: Principal) -> bool:
+    """Whether the caller must learn nothing about how many trials the job ran."""
+    return job.accounting != "rdp" and not caller.is_operator
+
+
+def hold_until(job: Job) -> datetime | None:
+    """The earliest time an analyst may see how a started job that holds its release ended:
+    as long after its start as the cap on trials would take, run one after another like
+    trial 0 — ``started_at + cap × d``, d the duration of trial 0's first attempt. Trial 0 runs
+    whenever K ≥ 1 and how long it takes does not depend on K, except through contention:
+    trials that share a node slow each other down, so d can still grow with K. The hold only
+    delays: a job still running at that time shows its end when it ends (trials slower than
+    trial 0, or gaps between trials, can push it past), and then the time depends on K again.
+
+    None while d is not known yet (the job is held meanwhile). A first attempt that never
+    reported its end is taken to have run until the job ended. A job that ended without a
+    trial 0 (K = 0, possible under ``ps`` with Poisson K, or a job that stopped before its
+    first trial) has nothing to time and is not held: it shows at its end as ``failed``, the
+    mechanism's own output for K = 0; the early reveal sets it apart only from a job whose
+    every trial failed."""
+    first = _first_attempt(job)
+    if first is None:
+        return job.finished_at
+    end = first.ended_at or job.finished_at
+    if end is None:
+        return None
+    return job.started_at + job.plan["trials"]["max"] * (end - first.started_at)
+
+
+def _outcome_shown(job: Job, caller: Principal) -> bool:
+    """Whether the caller may see how the job ended: always, except while the release of a
+    started random-stopping job is held from an analyst. (A job that never started drew no
+    K and has nothing to hide.)"""
+    holds = job.spec["privacy"].get("hold_release", False)  # only lt and ps may hold
+    if not _k_secret(job, caller) or not holds or job.started_at is None:
+        return True
+    until = hold_until(job)
+    return until is not None and now() >= until
+
+
+def _first_attempt(job: Job) -> TrialAttempt | None:
+    """Trial 0's first attempt, read on its own: loading every trial would make the time an
+    analyst's request takes grow with K."""
+    query = (select(TrialAttempt).join(Trial, TrialAttempt.trial_id == Trial.id)
+             .where(Trial.job_id == job.id, Trial.index == 0, TrialAttempt.number == 1))
+    return _session(job).execute(query).scalar_one_or_none()
+
+
+def _released_trial(job: Job) -> Trial | None:
+    return _session(job).get(Trial, job.artifact.trial_id) if job.artifact else None
+
+
+def _session(job: Job) -> Session:
+    session = object_session(job)
+    if session is None:
+        raise RuntimeError(f"job {job.id} is not attached to a session")
+    return session
+
+
+def _shown_trials(job: Job, caller: Principal, outcome: bool) -> list[Trial]:
+    """Operators and fixed-K jobs: every trial. Random stopping: only the released trial, once
+    the analyst may see the job's ``outcome``."""
+    if not _k_secret(job, caller):
+        return job.trials
+    released = _released_trial(job) if outcome else None
+    return [released] if released else []
+
+
+def _status(job: Job, caller: Principal, outcome: bool) -> str:
+    """Under random stopping an analyst sees no status that tells more than the release: a
+    job that ended without a model (``succeeded``: K = 0 or no trial finished) is ``failed``."""
+    if not _k_secret(job, caller):
+        return job.status
+    if not outcome:
+        return JobState.RUNNING
+    if job.status in (JobState.SUCCEEDED, JobState.RELEASED):
+        return JobState.RELEASED if job.artifact else JobState.FAILED
+    return job.status
+
+
+def _progress(job: Job, caller: Principal, shown: list[Trial]) -> Progress:
+    """Under random stopping the total is ``"random"``, and analysts get no count of trials
+    done."""
+    scores = [t.score for t in shown if t.score is not None]
+    best = (max if job.spec["selection"]["mode"] == "max" else min)(scores) if scores else None
+    done = sum(t.status in ("succeeded", "failed") for t in shown)
+    return Progress(
+        trials_done=None if _k_secret(job, caller) else done,
+        trials_total=job.plan["trials"]["max"] if job.accounting == "rdp" else "random",
+        best_score=best,
+    )
+
+
+def job_view(job: Job, caller: Principal, dashboard_url: str | None = None) -> JobView:
+    """The job as the caller sees it. Under random stopping an analyst gets no timestamps (a
+    job's duration grows with K)."""
+    outcome = _outcome_shown(job, caller)
+    secret = _k_secret(job, caller)
+    return JobView(
+        status=_status(job, caller, outcome),
+        released=job.artifact is not None and outcome,
+        started_at=None if secret else job.started_at,
+        finished_at=None if secret else job.finished_at,
+        progress=_progress(job, caller, _shown_trials(job, caller, outcome)),
+        error=job.error if caller.is_operator else None,
+        dashboard_url=dashboard_url if caller.is_operator else None,
+    )
+
+
+def cancel_refusal(job: Job, caller: Principal) -> str | None:
+    """Why the caller may not cancel the job, or None. An analyst cannot cancel a started job
+    whose release is held until it is shown: whether the job then stops, or goes on to
+    release a model, would tell whether its trials were still running."""
+    if _outcome_shown(job, caller):
+        return None
+    return (f"job {job.id} holds its release (privacy.hold_release) and has started: it cannot "
+            "be cancelled before its outcome is shown; an operator can cancel it")
+
+
+def trials(job: Job, caller: Principal) -> list[TrialView]:
+    """The trials the caller sees. Operators: everything, with each trial's attempts and what
+    they cost. Analysts: DP outputs only — parameters, the DP selection score, metrics marked
+    public, adaptive thresholds — and under random stopping only the released trial, without
+    its index."""
+    if caller.is_operator:
+        return _operator_trials(job)
+    released = job.artifact.trial_id if job.artifact else None
+    secret = _k_secret(job, caller)
+    return [
+        TrialView(
+            index=None if secret else t.index, params=t.params, score=t.score,
+            metrics=[m for m in t.metrics if m.get("public") is True], thresholds=t.thresholds,
+            released=t.id == released,
+        )
+        for t in _shown_trials(job, caller, _outcome_shown(job, caller))
+    ]
+
+
+def _operator_trials(job: Job) -> list[TrialView]:
+    released = job.artifact.trial_id if job.artifact else None
+    curve = ledger.trial_rdp(job) if job.trials else None
+
+    def epsilon(attempts: int) -> float | None:
+        """What a trial's attempts cost on their own (the job's charge is the ledger's)."""
+        if not attempts:
+            return None
+        return accounting.epsilon_from_rdp(attempts * curve, job.plan["delta"])[0]
+
+    return [
+        TrialView(
+            index=t.index, params=t.params, score=t.score, metrics=t.metrics,
+            thresholds=t.thresholds, released=t.id == released, status=t.status,
+            steps=t.steps, epsilon=epsilon(len(t.attempts)),
+            attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
+                       "started_at": a.started_at.isoformat(),
+                       "ended_at": a.ended_at.isoformat() if a.ended_at else None}
+                      for a in t.attempts],
+        )
+        for t in job.trials
+    ]
+
+
+def ledger_entries(session: Session, caller: Principal, dataset: Dataset,
+                   entries: list[LedgerEntry]) -> list[EntryView]:
+    """A dataset's ledger rows as the caller sees them; every analyst of the dataset sees its
+    rows, which job a row belongs to only the job's owner. Rows of random-stopping jobs carry
+    no time for analysts (when the bound was charged, at the first trial or at the end when
+    none ran, depends on K), and their rows with no amount are left out: the zero release that
+    older versions wrote when such a job ended was dated by its end."""
+    query = select(Job.id, Job.owner_key_id, Job.accounting).where(Job.dataset_id == dataset.id)
+    jobs = {job_id: (owner, method) for job_id, owner, method in session.execute(query)}
+    views = []
+    for entry in entries:
+        owner, method = jobs.get(entry.job_id, (None, "rdp"))
+        secret = method != "rdp" and not caller.is_operator
+        if secret and not ledger.entry_amount(entry).any():
+            continue
+        identify = caller.is_operator or owner == caller.key_id
+        eps = ledger.entry_epsilon(entry, dataset.delta)
+        views.append(EntryView(
+            id=entry.id, kind=entry.kind, reference=entry.reference if identify else None,
+            job=entry.job_id if identify else None,
+            epsilon=eps if math.isfinite(eps) else None, delta=entry.delta, note=entry.note,
+            created_at=None if secret else entry.created_at,
+        ))
+    return views

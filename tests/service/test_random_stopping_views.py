@@ -1,0 +1,317 @@
+"""Under random stopping the analyst learns nothing about the number of trials K beyond the
+released trial (DESIGN.md invariant 11), and ``privacy.hold_release`` hides when the job
+ended. The runner is simulated with the control-plane calls the Ray driver makes
+(workers/job.py, workers/trainable.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from service import accounting, jobs, ledger, visibility
+from service.api import create_app
+from service.db import Job
+from service.orchestrator import JobState
+from service.settings import Settings
+from service.trials import finish_attempt, record_progress, release_model, start_attempt
+
+OPERATOR_KEY = "dpt_views-operator-key-0123456789"
+TRIAL_SECONDS = 0.02  # how long a simulated trial runs: K = 5 takes five times as long
+BEST = {"optimizer.lr": 0.2}  # the released trial, the same whatever K
+BEST_SCORE = 0.9
+WEIGHTS = {"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
+
+
+@dataclass
+class Service:
+    client: TestClient
+    data_path: Path
+    operator: dict[str, str]
+    analyst: dict[str, str]
+    dataset: int
+
+    def session(self) -> Session:
+        return self.client.app.state.sessions()
+
+    def submit(self, body: dict[str, Any]) -> int:
+        r = self.client.post("/v1/jobs", headers=self.analyst, json=body)
+        assert r.status_code == 202, r.text
+        return r.json()["id"]
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def fresh(tmp_path) -> Iterator[Callable[[str], Service]]:
+    """Starts a service of its own (SQLite, no-op orchestrator) with a dataset and an
+    analyst key."""
+    with ExitStack() as stack:
+        def start(name: str) -> Service:
+            settings = Settings(data_dir=tmp_path / name, database_url=None,
+                                operator_key=OPERATOR_KEY)
+            client = stack.enter_context(TestClient(create_app(settings)))
+            operator = _bearer(OPERATOR_KEY)
+            r = client.post("/v1/datasets", headers=operator, json={
+                "name": "digits", "source": "builtin:digits", "epsilon": 4.0, "delta": 1e-5})
+            assert r.status_code == 201, r.text
+            dataset = r.json()["id"]
+            r = client.post("/v1/keys", headers=operator, json={
+                "name": "ana", "role": "analyst", "datasets": [dataset]})
+            assert r.status_code == 201, r.text
+            return Service(client, settings.data_path, operator, _bearer(r.json()["secret"]),
+                           dataset)
+
+        yield start
+
+
+def lt_spec(spec: Callable[..., dict[str, Any]], dataset: int, **privacy: Any) -> dict:
+    body = spec(dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6,
+                **privacy)
+    body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.1, 0.2]}}
+    return body
+
+
+def _metrics(value: float) -> list[dict[str, Any]]:
+    return [{"name": "train_loss", "value": 1 - value, "epoch": 1, "public": False},
+            {"name": "val_accuracy", "value": value, "epoch": 1, "public": True}]
+
+
+def run_trial(svc: Service, job_id: int, index: int, params: dict, score: float | None,
+              status: str = "succeeded") -> None:
+    """One trial as workers.trainable.run_candidate records it."""
+    with svc.session() as session:
+        attempt = start_attempt(session, job_id, index, params)
+        time.sleep(TRIAL_SECONDS)
+        record_progress(session, attempt, 23, _metrics(score or 0.0))
+        finish_attempt(session, attempt, status, 23, score)
+
+
+def release(svc: Service, job_id: int, best: int) -> None:
+    """workers.job._release_best and the driver's last state change."""
+    with svc.session() as session:
+        trial = next(t for t in session.get(Job, job_id).trials if t.index == best)
+        release_model(session, svc.data_path, trial.id, WEIGHTS, {"model": {"name": "mlp"}},
+                      {"num_classes": 10, "input_shape": [64]})
+        jobs.apply_state(session, job_id, JobState.RELEASED)
+
+
+def set_state(svc: Service, job_id: int, state: JobState) -> None:
+    with svc.session() as session:
+        jobs.apply_state(session, job_id, state)
+
+
+def analyst_view(svc: Service, job_id: int) -> dict[str, Any]:
+    """Everything the analyst can read about the job, less the job's creation time (the
+    analyst's own submission)."""
+    c, ana = svc.client, svc.analyst
+    job = c.get(f"/v1/jobs/{job_id}", headers=ana).json()
+    listed = c.get("/v1/jobs", headers=ana).json()
+    for j in (job, *listed):
+        j.pop("created_at")
+    return {
+        "job": job,
+        "jobs": listed,
+        "trials": c.get(f"/v1/jobs/{job_id}/trials", headers=ana).json(),
+        "model": model_view(c.get(f"/v1/jobs/{job_id}/model", headers=ana)),
+        "budget": c.get(f"/v1/datasets/{svc.dataset}/budget", headers=ana).json(),
+    }
+
+
+def model_view(r: httpx.Response) -> tuple[int, Any, dict[str, str]]:
+    """The model response: its status, the file's header (parsed: safetensors writes its
+    metadata in no fixed order, so the bytes and their hash vary from file to file) and
+    data, and the response headers but the date and the hash."""
+    if r.status_code != 200:
+        return r.status_code, r.json(), {}
+    size = int.from_bytes(r.content[:8], "little")
+    content = (json.loads(r.content[8:8 + size]), r.content[8 + size:])
+    varying = {"date", "etag", "x-dptune-sha256"}
+    return 200, content, {k: v for k, v in r.headers.items() if k not in varying}
+
+
+def test_analyst_view_does_not_depend_on_k(fresh, spec):
+    """Two lt jobs, K = 1 and K = 5, on two fresh services: same released trial, so the
+    analyst must see the same thing at every stage."""
+    runs = {k: fresh(f"k{k}") for k in (1, 5)}
+    ids = {k: svc.submit(lt_spec(spec, svc.dataset)) for k, svc in runs.items()}
+    stages: dict[int, list[dict[str, Any]]] = {1: [], 5: []}
+    for k, svc in runs.items():
+        job_id = ids[k]
+        stages[k].append(analyst_view(svc, job_id))
+        set_state(svc, job_id, JobState.RUNNING)  # the driver, before it draws K
+        stages[k].append(analyst_view(svc, job_id))
+        best = k // 2
+        for index in range(k):
+            if index == best:
+                run_trial(svc, job_id, index, BEST, BEST_SCORE)
+            else:
+                run_trial(svc, job_id, index, {"optimizer.lr": 0.05}, 0.5 + index / 100)
+        stages[k].append(analyst_view(svc, job_id))
+        release(svc, job_id, best)
+        stages[k].append(analyst_view(svc, job_id))
+
+    for one, five in zip(stages[1], stages[5], strict=True):
+        assert one == five
+    final = stages[5][-1]
+    assert final["job"]["status"] == "released" and final["job"]["released"]
+    assert final["job"]["started_at"] is None and final["job"]["finished_at"] is None
+    assert final["job"]["progress"] == {"trials_done": None, "trials_total": "random",
+                                        "best_score": BEST_SCORE}
+    assert final["trials"] == [{"index": None, "params": BEST, "score": BEST_SCORE,
+                                "metrics": _metrics(BEST_SCORE)[1:], "thresholds": None,
+                                "released": True, "status": None, "steps": None,
+                                "attempts": None, "epsilon": None}]
+    assert final["model"][0] == 200 and "last-modified" not in final["model"][2]
+    assert [(e["kind"], e["created_at"]) for e in final["budget"]["entries"]] == [
+        ("reservation", None), ("charge", None)]
+
+
+def test_operator_sees_everything(fresh, spec):
+    svc = fresh("op")
+    job_id = svc.submit(lt_spec(spec, svc.dataset))
+    set_state(svc, job_id, JobState.RUNNING)
+    for index in range(5):
+        run_trial(svc, job_id, index, {"optimizer.lr": 0.05}, 0.5 + index / 10)
+    release(svc, job_id, 4)
+    c, op = svc.client, svc.operator
+    job = c.get(f"/v1/jobs/{job_id}", headers=op).json()
+    assert job["status"] == "released" and job["started_at"] and job["finished_at"]
+    assert job["progress"]["trials_done"] == 5
+    trials = c.get(f"/v1/jobs/{job_id}/trials", headers=op).json()
+    assert [t["index"] for t in trials] == [0, 1, 2, 3, 4]
+    assert all(t["attempts"] and len(t["metrics"]) == 2 for t in trials)
+    entries = c.get(f"/v1/datasets/{svc.dataset}/budget", headers=op).json()["entries"]
+    # no zero-amount release row: the whole bound was charged when the first trial started
+    assert [e["kind"] for e in entries] == ["reservation", "charge"]
+    assert all(e["created_at"] and e["job"] == job_id for e in entries)
+
+
+def test_legacy_zero_release_rows_are_hidden_from_analysts(fresh, spec):
+    """Ledgers written before settle stopped writing them hold a zero release row dated by
+    the job's end."""
+    svc = fresh("legacy")
+    job_id = svc.submit(lt_spec(spec, svc.dataset))
+    set_state(svc, job_id, JobState.RUNNING)
+    run_trial(svc, job_id, 0, BEST, BEST_SCORE)
+    release(svc, job_id, 0)
+    budget = f"/v1/datasets/{svc.dataset}/budget"
+    before = svc.client.get(budget, headers=svc.analyst).json()
+    with svc.session() as session:
+        ledger.append(session, session.get(Job, job_id), "release", f"job:{job_id}:release",
+                      ledger.amount(accounting.Charge()), "unused reservation")
+        session.commit()
+    assert svc.client.get(budget, headers=svc.analyst).json() == before
+    kinds = [e["kind"] for e in svc.client.get(budget, headers=svc.operator).json()["entries"]]
+    assert kinds == ["reservation", "charge", "release"]
+
+
+def test_ended_without_a_model_shows_failed(fresh, spec):
+    svc = fresh("nomodel")
+    job_id = svc.submit(lt_spec(spec, svc.dataset))
+    set_state(svc, job_id, JobState.RUNNING)
+    run_trial(svc, job_id, 0, BEST, None, status="failed")
+    set_state(svc, job_id, JobState.SUCCEEDED)  # the driver: no trial finished
+    c = svc.client
+    assert c.get(f"/v1/jobs/{job_id}", headers=svc.analyst).json()["status"] == "failed"
+    assert c.get(f"/v1/jobs/{job_id}", headers=svc.operator).json()["status"] == "succeeded"
+    r = c.get(f"/v1/jobs/{job_id}/model", headers=svc.analyst)
+    assert r.status_code == 409 and "status failed" in r.text
+
+
+def _hold_until(svc: Service, job_id: int) -> datetime:
+    """started_at + cap × (trial 0's first attempt), from what the operator sees."""
+    c, op = svc.client, svc.operator
+    job = c.get(f"/v1/jobs/{job_id}", headers=op).json()
+    first = c.get(f"/v1/jobs/{job_id}/trials", headers=op).json()[0]["attempts"][0]
+    duration = (datetime.fromisoformat(first["ended_at"])
+                - datetime.fromisoformat(first["started_at"]))
+    return datetime.fromisoformat(job["started_at"]) + job["plan"]["trials"]["max"] * duration
+
+
+def test_hold_release(fresh, spec, monkeypatch):
+    svc = fresh("hold")
+    c, ana = svc.client, svc.analyst
+    queued = svc.submit(lt_spec(spec, svc.dataset, hold_release=True))
+    r = c.post(f"/v1/jobs/{queued}/cancel", headers=ana)  # no K drawn yet: nothing to hide
+    assert r.status_code == 202 and r.json()["status"] == "cancelled"
+
+    job_id = svc.submit(lt_spec(spec, svc.dataset, hold_release=True))
+    set_state(svc, job_id, JobState.RUNNING)
+    far = visibility.now() + timedelta(days=365)
+    monkeypatch.setattr(visibility, "now", lambda: far)  # trial 0 not timed yet: held
+    r = c.post(f"/v1/jobs/{job_id}/cancel", headers=ana)
+    assert r.status_code == 409 and r.json()["detail"].startswith("job: ")
+    assert "hold_release" in r.text
+    run_trial(svc, job_id, 0, {"optimizer.lr": 0.05}, 0.5)
+    run_trial(svc, job_id, 1, BEST, BEST_SCORE)
+    release(svc, job_id, 1)
+    until = _hold_until(svc, job_id)
+
+    monkeypatch.setattr(visibility, "now", lambda: until - timedelta(microseconds=1))
+    held = analyst_view(svc, job_id)
+    assert held["job"]["status"] == "running" and not held["job"]["released"]
+    assert held["job"]["progress"]["best_score"] is None
+    assert held["jobs"][0]["status"] == "running"
+    assert held["trials"] == []
+    assert held["model"][0] == 409 and "status running" in held["model"][1]["detail"]
+    assert c.post(f"/v1/jobs/{job_id}/cancel", headers=ana).status_code == 409
+    assert c.get(f"/v1/jobs/{job_id}", headers=svc.operator).json()["status"] == "released"
+
+    monkeypatch.setattr(visibility, "now", lambda: until)
+    shown = analyst_view(svc, job_id)
+    assert shown["job"]["status"] == "released" and shown["job"]["released"]
+    assert [t["params"] for t in shown["trials"]] == [BEST]
+    assert shown["model"][0] == 200
+
+
+def test_hold_without_trial_zero_shows_the_end(fresh, spec):
+    """K = 0 (Poisson K under ps): no trial to time, so the job is not held; it shows as
+    failed — the mechanism's output for K = 0."""
+    svc = fresh("k0")
+    body = spec(svc.dataset, epsilon=2.0, accounting="ps", mean=3, eta="poisson",
+                max_trials=30, hold_release=True)
+    body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
+    job_id = svc.submit(body)
+    set_state(svc, job_id, JobState.RUNNING)
+    job = svc.client.get(f"/v1/jobs/{job_id}", headers=svc.analyst).json()
+    assert job["status"] == "running"
+    set_state(svc, job_id, JobState.SUCCEEDED)
+    job = svc.client.get(f"/v1/jobs/{job_id}", headers=svc.analyst).json()
+    assert job["status"] == "failed" and not job["released"]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/plans", "/v1/jobs"])
+def test_hold_release_only_under_random_stopping(api, dataset, ana, spec, endpoint):
+    r = api.client.post(endpoint, headers=ana, json=spec(dataset["id"], hold_release=True))
+    assert r.status_code == 422
+    assert r.json()["detail"] == ("privacy.hold_release: not a parameter of accounting "
+                                  "'rdp'"), r.text
+    assert api.budget(dataset["id"])["entries"] == []
+
+
+def test_the_bound_is_charged_before_k_is_drawn(fresh, spec):
+    """The whole bound is charged when the job is marked running, before the driver draws
+    K: whether a first trial ever starts (not when K = 0) changes nothing in the budget."""
+    svc = fresh("k0")
+    job_id = svc.submit(lt_spec(spec, svc.dataset))
+    set_state(svc, job_id, JobState.RUNNING)
+    budget = f"/v1/datasets/{svc.dataset}/budget"
+    before = svc.client.get(budget, headers=svc.analyst).json()
+    assert before["reserved"] == pytest.approx(0.0, abs=1e-12) and before["spent"] > 0
+    with svc.session() as session:
+        start_attempt(session, job_id, 0, BEST)
+    assert svc.client.get(budget, headers=svc.analyst).json() == before

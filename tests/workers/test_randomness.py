@@ -1,0 +1,137 @@
+"""Randomness that protects privacy cannot be reproduced (DESIGN.md invariant 8).
+
+The attacks these stop: with a trial seed fed to torch's CPU generator (which keeps only its
+low 32 bits), seeds that agree in their low 32 bits gave identical noise, and one released
+noisy score let an attacker search every seed and subtract the noise. A fixed-size hold-out
+and float32 Poisson sampling broke the coupling the accountant assumes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from workers.config import TrialConfig
+from workers.data import Dataset, hold_out
+from workers.dp.randomness import SecureStream, TrialRandomness
+from workers.dp.sampling import poisson_batches
+from workers.trial import run_trial
+
+TINY = {"dataset": {"source": "builtin:digits"}, "model": {"name": "logreg"},
+        "epochs": 0.2, "batch_size": 64, "noise_multiplier": 1.0, "device": "cpu",
+        "method": {"per_sample": "general"},
+        "validation": {"split": "private", "noise": 1.0, "fraction": 0.2}}
+
+
+def _reset_global_rngs() -> None:
+    """Everything an attacker could reproduce: every global generator in a known state."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
+def test_no_seed_reaches_a_trial() -> None:
+    assert "seed" not in TrialConfig.model_fields  # nothing stored can replay a trial
+    with pytest.raises(ValueError, match="seed"):
+        TrialConfig.model_validate({**TINY, "seed": 2**32 + 7})
+
+
+def test_identical_trials_draw_different_noise_whatever_the_global_state() -> None:
+    """The old attack: seeds s and s + 2³² (same low 32 bits) trained the same model and
+    released the same noisy score. Now two trials with identical configs and identical global
+    generator states still differ in every private draw."""
+    cfg = TrialConfig.model_validate(TINY)
+    outcomes = []
+    for _ in range(2):
+        _reset_global_rngs()
+        outcomes.append(run_trial(cfg))
+    first, second = (o.result["score"]["value"] for o in outcomes)
+    assert first != second
+    weights = [torch.cat([p.detach().flatten() for p in o.model.parameters()]) for o in outcomes]
+    assert not torch.equal(weights[0], weights[1])
+
+
+def test_streams_are_independent_and_not_reproducible() -> None:
+    draws = []
+    for _ in range(2):
+        _reset_global_rngs()
+        r = TrialRandomness()
+        draws.append([r.sampling.uniform(8), r.gradient.normal(8), r.holdout.uniform(8)])
+    for a, b in zip(*draws, strict=True):
+        assert not torch.equal(a, b)
+    one = TrialRandomness()  # streams of one trial differ from each other too
+    assert not torch.equal(one.sampling.uniform(8), one.holdout.uniform(8))
+
+
+def test_gradient_noise_is_standard_normal() -> None:
+    z = SecureStream().normal(200_000).double()
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert SecureStream().normal((3, 4), dtype=torch.float64).shape == (3, 4)
+
+
+def test_sampling_compares_in_float64() -> None:
+    """float32 uniforms are multiples of 2⁻²⁴, so ``u < q`` with a float32 ``u`` holds with
+    probability ceil(q·2²⁴)/2²⁴ ≥ q — up to twice q for q near 2⁻²⁵. Secure uniforms are
+    float64 with 53 bits, and the comparison with q is made in float64."""
+    u = SecureStream().uniform(100_000)
+    assert u.dtype == torch.float64
+    assert (torch.frac(u * 2**24) != 0).float().mean() > 0.99  # finer than float32's grid
+
+    class Fixed(SecureStream):  # test double: chosen uniforms around q
+        def uniform(self, n: int) -> torch.Tensor:
+            return torch.tensor([q - 2**-60, q, q + 2**-40], dtype=torch.float64)
+
+    q = 2**-25 + 2**-50  # rounds to 2⁻²⁵ in float32
+    (batch,) = poisson_batches(3, q, 1, Fixed())
+    assert batch.tolist() == [0]
+
+
+def test_realized_sample_rate_at_a_tiny_q() -> None:
+    n, q, steps = 200_000, 3e-5, 50  # q·2²⁴ = 503.3: float32 rounding is within 0.1%
+    sizes = np.array([len(b) for b in poisson_batches(n, q, steps, SecureStream())])
+    assert abs(sizes.mean() - n * q) < 5 * np.sqrt(n * q / steps)
+
+
+def _dataset(n: int) -> Dataset:
+    return Dataset("synthetic", torch.randn(n, 3), torch.randint(0, 2, (n,)), 2)
+
+
+def test_hold_out_size_is_binomial() -> None:
+    """Each example is held out independently with probability f, so the hold-out size is
+    Binomial(N, f) and adding one record leaves every other record's side unchanged. (The old
+    hold-out always took round(f·N) examples: its size had variance 0.)"""
+    n, f, runs = 200, 0.1, 2000
+    data = _dataset(n)
+    sizes = np.array([len(hold_out(data, f, SecureStream()).y_val) for _ in range(runs)])
+    assert sizes.mean() == pytest.approx(n * f, abs=5 * np.sqrt(n * f * (1 - f) / runs))
+    assert sizes.var() == pytest.approx(n * f * (1 - f), rel=0.15)
+    edges = np.arange(10, 31)  # chi-square goodness of fit on the bulk of the pmf
+    observed = np.array([(sizes < 10).sum(), *[(sizes == k).sum() for k in edges[:-1]],
+                         (sizes >= 30).sum()])
+    pmf = stats.binom(n, f)
+    expected = runs * np.array([pmf.cdf(9), *pmf.pmf(edges[:-1]), pmf.sf(29)])
+    assert stats.chisquare(observed, expected).pvalue > 1e-4
+
+
+def test_hold_out_partitions_the_data() -> None:
+    data = _dataset(500)
+    split = hold_out(data, 0.3, SecureStream())
+    together = torch.cat([split.x, split.x_val])
+    assert len(together) == 500 and len(torch.unique(together, dim=0)) == 500
+    assert split.splits == {"train": "private", "val": "private"}
+
+
+def test_gaussian_tails_are_not_cut_at_float32_resolution() -> None:
+    """The largest radius Box–Muller can produce is √(−2 ln 2⁻⁵³) ≈ 8.57σ with 53-bit uniforms
+    (6.66σ with 32-bit ones, a truncation the accountant does not price)."""
+
+    class Extreme(SecureStream):  # test double: the most extreme uniforms
+        def uniform(self, n: int) -> torch.Tensor:
+            return torch.tensor([1 - 2**-53, 0.0], dtype=torch.float64)
+
+    (z, _) = Extreme().normal(2).tolist()
+    assert z == pytest.approx((2 * 53 * np.log(2)) ** 0.5, rel=1e-6)
