@@ -132,7 +132,7 @@ def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
     of the job's rows. Idempotent: each charge has its own reference.
 
     What counts as having run: every recorded trial attempt (the attempt row is written before
-    the attempt reads data, :mod:`service.trials`), each charged one trial; under random
+    the attempt reads data, :mod:`service.attempts`), each charged one trial; under random
     stopping (``lt``, ``ps``) the whole bound, once the job started at all (invariant 3).
     """
     query = select(LedgerEntry).where(LedgerEntry.job_id == job.id).order_by(LedgerEntry.id)

@@ -20,13 +20,16 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL; default ``sqlite:///<data_dir>/dptune.db``. PostgreSQL:
     ``postgresql+psycopg://user:pass@host/db`` (``pip install 'dptune[postgres]'``)."""
-    database_url_file: Path | None = None
-    """A file holding the SQLAlchemy URL, read when ``database_url`` is unset. Ray jobs get the
-    URL this way: a Ray job's environment is shown in the Ray dashboard, a password must not."""
     operator_key: SecretStr | None = Field(None, min_length=16)
     """Bootstrap operator key. Unset: the first start creates one and prints it once."""
     max_body_bytes: int = Field(64 * 1024, gt=0)
     """Requests with a larger body are refused (413) before they are parsed."""
+    max_model_bytes: int = Field(2 * 1024**3, gt=0)
+    """The largest model a job's runner may upload (the released weights)."""
+    control_url: str | None = None
+    """Where a job's runner (on the Ray cluster) reaches this service's internal API. Default:
+    the address ``dptune serve`` listens on (``http://127.0.0.1:8000``); set it when Ray nodes
+    reach the service by another name (``http://dptune-api:8000``)."""
     ray_address: str | None = None
     """Dashboard/Jobs API URL of a Ray cluster (``http://head:8265``). Unset: ``dptune serve``
     uses the local head on ``ray_dashboard_port``, starting one if none answers."""
@@ -46,8 +49,4 @@ class Settings(BaseSettings):
 
     @property
     def sqlalchemy_url(self) -> str:
-        if self.database_url:
-            return self.database_url
-        if self.database_url_file is not None:
-            return self.database_url_file.read_text().strip()
-        return f"sqlite:///{self.data_path / 'dptune.db'}"
+        return self.database_url or f"sqlite:///{self.data_path / 'dptune.db'}"

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, object_session
 from service import accounting, ledger
 from service.auth import Principal
 from service.db import Dataset, Job, LedgerEntry, Trial, TrialAttempt
-from service.orchestrator import JobState
+from service.orchestration import JobState
 
 
 def now() -> datetime:

@@ -11,13 +11,13 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import sessionmaker
 
-from service import jobs
-from service.api import datasets, errors, keys, plans
+from service import lifecycle
+from service.api import datasets, errors, keys, plans, runner
 from service.api import jobs as jobs_api
 from service.api.limits import BodyLimit
 from service.auth import bootstrap_operator
 from service.db import create_db_engine, upgrade
-from service.orchestrator import NullOrchestrator, Orchestrator
+from service.orchestration import NullOrchestrator, Orchestrator
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def _poll(sessions: sessionmaker, orchestrator: Orchestrator) -> None:
     with sessions() as session:
-        jobs.reconcile(session, orchestrator)
+        lifecycle.reconcile(session, orchestrator)
 
 
 async def _keep_polling(sessions: sessionmaker, orchestrator: Orchestrator,
@@ -61,7 +61,7 @@ def create_app(
             secret = bootstrap_operator(
                 session, configured.get_secret_value() if configured else None
             )
-            jobs.reconcile(session, orchestrator, startup=True)
+            lifecycle.reconcile(session, orchestrator, startup=True)
         if secret is not None:
             print(f"dptune: created the operator key (shown once): {secret}", flush=True)
         app.state.settings = settings
@@ -80,9 +80,11 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       large_paths=runner.MODEL_UPLOAD_PATHS,
+                       large_bytes=settings.max_model_bytes)
     errors.install(app)
-    for router in (keys.router, datasets.router, plans.router, jobs_api.router):
+    for router in (keys.router, datasets.router, plans.router, jobs_api.router, runner.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["health"])

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.auth import Principal, authenticate
 from service.db import Dataset, Job
-from service.orchestrator import Orchestrator
+from service.orchestration import Orchestrator
 from service.settings import Settings
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from service import jobs, visibility
+from service import lifecycle, visibility
 from service.api.deps import (
     Caller,
     OrchestratorDep,
@@ -108,13 +108,13 @@ def submit(
     dataset = visible_dataset(session, caller, spec.dataset)
     planned = plan_job(spec, dataset, session)
     try:
-        job, new = jobs.admit(session, caller, spec, planned, idempotency_key)
-    except jobs.BudgetExceeded as error:
+        job, new = lifecycle.admit(session, caller, spec, planned, idempotency_key)
+    except lifecycle.BudgetExceeded as error:
         raise field_error(error.field, str(error), status.HTTP_409_CONFLICT) from None
-    except jobs.IdempotencyConflict as error:
+    except lifecycle.IdempotencyConflict as error:
         raise field_error("Idempotency-Key", str(error), status.HTTP_409_CONFLICT) from None
     if new:
-        jobs.submit(session, orchestrator, job, dataset)
+        lifecycle.submit(session, orchestrator, job, dataset)
     else:
         response.headers["Idempotent-Replayed"] = "true"
     return job_out(job, caller)
@@ -143,7 +143,7 @@ def get_job(
     job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
 ) -> JobOut:
     job = visible_job(session, caller, job_id)
-    jobs.refresh(session, orchestrator, job)
+    lifecycle.refresh(session, orchestrator, job)
     return job_out(session.get(Job, job_id), caller, orchestrator.dashboard_url)
 
 
@@ -164,7 +164,7 @@ def cancel(
     if refusal is not None:
         raise field_error("job", refusal, status.HTTP_409_CONFLICT)
     orchestrator.cancel(job.id)
-    jobs.refresh(session, orchestrator, job)
+    lifecycle.refresh(session, orchestrator, job)
     return job_out(session.get(Job, job_id), caller)
 
 

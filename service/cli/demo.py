@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
-import uvicorn
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from service.accounting import gaussian_rdp, tuning_epsilon
 from service.api import create_app
+from service.api.server import BackgroundServer, free_port
 from service.cluster import ray_orchestrator
 from service.settings import Settings
 
@@ -52,12 +50,6 @@ JOBS = {
 ACTIVE = ("queued", "running")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fresh(data_dir: Path) -> None:
     """Start from an empty data dir, but never wipe one that is not a previous demo's."""
     if data_dir.exists():
@@ -67,26 +59,6 @@ def _fresh(data_dir: Path) -> None:
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True)
     (data_dir / ".dptune-demo").touch()
-
-
-class _Server(threading.Thread):
-    def __init__(self, app: Any, port: int) -> None:
-        super().__init__(daemon=True)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-
-    def run(self) -> None:
-        self.server.run()
-
-    def __enter__(self) -> _Server:
-        self.start()
-        while not self.server.started:
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        self.join(timeout=30)
 
 
 def _watch(api: httpx.Client, jobs: dict[str, dict], console: Console) -> dict[str, dict]:
@@ -168,12 +140,13 @@ def demo(
     key = f"dpt_demo-{secrets.token_urlsafe(16)}"
     settings = Settings(data_dir=data_dir, operator_key=key)
     console.print("Starting a local Ray head (dashboard on 127.0.0.1) …")
-    orchestrator = ray_orchestrator(settings)
+    port = free_port()
+    orchestrator = ray_orchestrator(settings, f"http://127.0.0.1:{port}")
     app = create_app(settings, orchestrator, settings.poll_interval_s)
-    port = _free_port()
     try:
-        with _Server(app, port), httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
-                                              headers={"Authorization": f"Bearer {key}"}) as api:
+        with BackgroundServer(app, port) as server, httpx.Client(
+                base_url=server.url, timeout=120,
+                headers={"Authorization": f"Bearer {key}"}) as api:
             console.print(f"dptune API on http://127.0.0.1:{port} (docs at /docs), "
                           f"Ray dashboard at {orchestrator.dashboard_url}")
             dataset = api.post("/v1/datasets", json={"name": "digits", "source": "builtin:digits",

@@ -19,7 +19,7 @@ def serve(
     """Start the HTTP API (settings from DPTUNE_* environment variables). Jobs run on the Ray
     cluster at DPTUNE_RAY_ADDRESS, or on a local Ray head started on first use."""
     settings = Settings()
-    orchestrator = ray_orchestrator(settings)
+    orchestrator = ray_orchestrator(settings, f"http://{host}:{port}")
     typer.echo(f"dptune: Ray dashboard at {orchestrator.dashboard_url}")
     uvicorn.run(create_app(settings, orchestrator, settings.poll_interval_s), host=host,
                 port=port)

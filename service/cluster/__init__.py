@@ -2,6 +2,6 @@
 admitted tuning job as a Ray job."""
 
 from service.cluster.head import RayConnection, connect
-from service.cluster.orchestrator import RayOrchestrator, ray_orchestrator
+from service.cluster.ray_jobs import RayOrchestrator, ray_orchestrator
 
 __all__ = ["RayConnection", "RayOrchestrator", "connect", "ray_orchestrator"]

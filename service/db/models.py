@@ -112,6 +112,8 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
     submitted_at: Mapped[datetime | None] = mapped_column(Timestamp())  # handed to the orchestrator
+    #: SHA-256 of the job's runner token (service.api.runner), minted at submission
+    runner_token_sha256: Mapped[str | None] = mapped_column(String(64))
     started_at: Mapped[datetime | None] = mapped_column(Timestamp())
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp())
 

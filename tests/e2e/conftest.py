@@ -10,28 +10,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from service.api import create_app
+from service.api.server import BackgroundServer, free_port
 from service.cluster import RayConnection, RayOrchestrator, connect
+from service.cluster.ray_jobs import namespace
 from service.settings import Settings
 
 OPERATOR = {"Authorization": "Bearer dpt_e2e-operator-key-0123456789"}
 TEST_DASHBOARD_PORT = 8275
 
 
+#: what an operator's environment holds when dptune starts the Ray head: none of it may reach
+#: a Ray worker
+OPERATOR_ENV = {"DPTUNE_OPERATOR_KEY": OPERATOR["Authorization"][7:],
+                "DPTUNE_DATABASE_URL": "postgresql+psycopg://dptune:e2e-db-passw0rd@db/dptune"}
+
+
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayConnection]:
-    connection = connect(tmp_path_factory.mktemp("ray"), dashboard_port=TEST_DASHBOARD_PORT,
-                         num_cpus=2, num_gpus=0)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in OPERATOR_ENV.items():
+            env.setenv(name, value)
+        connection = connect(tmp_path_factory.mktemp("ray"),
+                             dashboard_port=TEST_DASHBOARD_PORT, num_cpus=2, num_gpus=0)
     yield connection
     connection.stop()
 
 
 @dataclass
 class Service:
-    client: TestClient
+    client: httpx.Client
     orchestrator: RayOrchestrator
     settings: Settings
 
@@ -59,6 +70,13 @@ class Service:
                              f"{self.orchestrator.logs(job_id)[-4000:]}")
 
 
+def environment(pid: int) -> dict[str, str]:
+    """The environment of a running process."""
+    raw = (Path("/proc") / str(pid) / "environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                if "=" in item)
+
+
 def trial_processes() -> list[int]:
     """PIDs of Ray workers running a Tune trial right now (Ray titles them
     ``ray::ImplicitFunc.train`` while they train): a test kills one to inject a crash."""
@@ -80,12 +98,18 @@ def data_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def start_service(ray_head: RayConnection, data_dir: Path):
+    """The service on a real port (jobs' runners call its internal API over HTTP)."""
+
     @contextmanager
     def start() -> Iterator[Service]:
         settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
         settings.data_path.mkdir(parents=True, exist_ok=True)
-        orchestrator = RayOrchestrator(ray_head, settings.sqlalchemy_url, settings.data_path)
-        with TestClient(create_app(settings, orchestrator, poll_interval=1.0)) as client:
+        port = free_port()
+        orchestrator = RayOrchestrator(ray_head, f"http://127.0.0.1:{port}", settings.data_path,
+                                       namespace(settings.sqlalchemy_url))
+        app = create_app(settings, orchestrator, poll_interval=1.0)
+        with BackgroundServer(app, port) as server, httpx.Client(base_url=server.url,
+                                                                 timeout=60) as client:
             yield Service(client, orchestrator, settings)
 
     return start

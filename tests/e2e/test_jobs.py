@@ -20,13 +20,13 @@ from service.accounting import (
     tuning_rdp,
 )
 from service.api import create_app
-from service.orchestrator import JobState
+from service.orchestration import JobState
 from workers.config import DatasetConfig, ModelConfig
 from workers.data import load_dataset
 from workers.metrics import evaluate
 from workers.models import build_model
 
-from .conftest import OPERATOR, small_job, trial_processes
+from .conftest import OPERATOR, OPERATOR_ENV, environment, small_job, trial_processes
 
 
 def charged(budget: dict) -> list[dict]:
@@ -89,8 +89,9 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits,
     assert info.metadata["dptune_job"] == str(job["id"])
     # what the Ray dashboard shows of the job: no operator key, no database URL
     env = info.runtime_env["env_vars"]
-    assert set(env) == {"DPTUNE_DATA_DIR", "DPTUNE_DATABASE_URL_FILE", "PYTHONUNBUFFERED"}
-    assert OPERATOR["Authorization"][7:] not in str(info)
+    assert set(env) == {"DPTUNE_CONTROL_URL", "DPTUNE_JOB_TOKEN", "DPTUNE_DATA_DIR",
+                        "PYTHONUNBUFFERED"}
+    assert OPERATOR["Authorization"][7:] not in str(info) and "sqlite" not in str(info)
 
 
 def test_a_retried_attempt_is_charged_too(service, digits) -> None:
@@ -107,7 +108,13 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
         return bool(running and trial_processes())
 
     service.wait(job["id"], until=training)
-    os.kill(trial_processes()[0], signal.SIGKILL)
+    victim = trial_processes()[0]
+    env = environment(victim)  # a trial holds no database URL and no operator key
+    assert env["DPTUNE_JOB_TOKEN"].startswith("dpr_") and "DPTUNE_CONTROL_URL" in env
+    assert not {"DPTUNE_DATABASE_URL", "DPTUNE_OPERATOR_KEY"} & set(env)
+    assert not any(secret in value for value in env.values()
+                   for secret in ("e2e-db-passw0rd", *OPERATOR_ENV.values(), "sqlite"))
+    os.kill(victim, signal.SIGKILL)
     done = service.wait(job["id"])
     assert done["status"] == "released"
     trials = service.get(f"/v1/jobs/{job['id']}/trials")

@@ -6,13 +6,17 @@ import typer
 from typer.testing import CliRunner
 
 from service.cli.serve import serve
-from service.orchestrator import NullOrchestrator
+from service.orchestration import NullOrchestrator
 
 
 def test_serve_command(monkeypatch):
-    calls = []
-    monkeypatch.setattr("service.cli.serve.ray_orchestrator",
-                        lambda settings: NullOrchestrator(dashboard_url="http://ray:8265"))
+    calls, control = [], []
+
+    def orchestrator(settings, control_url):
+        control.append(control_url)  # where jobs' runners will call back
+        return NullOrchestrator(dashboard_url="http://ray:8265")
+
+    monkeypatch.setattr("service.cli.serve.ray_orchestrator", orchestrator)
     monkeypatch.setattr("service.cli.serve.uvicorn.run",
                         lambda app, host, port: calls.append((type(app).__name__, host, port)))
     app = typer.Typer()
@@ -22,3 +26,4 @@ def test_serve_command(monkeypatch):
     assert runner.invoke(app, []).exit_code == 0
     assert runner.invoke(app, ["--host", "0.0.0.0", "--port", "9000"]).exit_code == 0
     assert calls == [("FastAPI", "127.0.0.1", 8000), ("FastAPI", "0.0.0.0", 9000)]
+    assert control == ["http://127.0.0.1:8000", "http://0.0.0.0:9000"]

@@ -1,5 +1,5 @@
 """Charging what ran and releasing only what never touched data (service.ledger.settle and
-service.trials), checked through the budget the API reports."""
+service.attempts), checked through the budget the API reports."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from safetensors.numpy import load
 from sqlalchemy import select
 
-from service import jobs, ledger
+from service import ledger, lifecycle
 from service.api import create_app
-from service.db import Job, LedgerEntry
-from service.orchestrator import JobState
-from service.trials import (
+from service.attempts import (
     AttemptRefused,
     finish_attempt,
     record_progress,
     release_model,
     start_attempt,
 )
+from service.db import Job, LedgerEntry
+from service.orchestration import JobState
 
 
 def opacus_epsilon(plan: dict, trials: int, delta: float) -> float:
@@ -62,7 +62,7 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
         start_attempt(session, jid, 2, {"optimizer.lr": 0.5})
     start_attempt(session, jid, 1, {"optimizer.lr": 0.2})
 
-    jobs.apply_state(session, jid, JobState.SUCCEEDED)
+    lifecycle.apply_state(session, jid, JobState.SUCCEEDED)
     budget = api.budget(ds)
     assert [e["kind"] for e in budget["entries"]] == ["reservation"] + ["charge"] * 3 + ["release"]
     assert budget["reserved"] == 0
@@ -148,7 +148,7 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
     weights = {"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
     release_model(session, settings.data_path, trial.id, weights, {"model": {"name": "mlp"}},
                   {"num_classes": 10, "input_shape": [64]})
-    jobs.apply_state(session, jid, JobState.SUCCEEDED)
+    lifecycle.apply_state(session, jid, JobState.SUCCEEDED)
 
     seen = c.get(f"/v1/jobs/{jid}/trials", headers=ana).json()
     assert all(m["public"] for t in seen for m in t["metrics"])

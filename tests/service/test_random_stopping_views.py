@@ -20,12 +20,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service import accounting, jobs, ledger, visibility
+from service import accounting, ledger, lifecycle, visibility
 from service.api import create_app
+from service.attempts import finish_attempt, record_progress, release_model, start_attempt
 from service.db import Job
-from service.orchestrator import JobState
+from service.orchestration import JobState
 from service.settings import Settings
-from service.trials import finish_attempt, record_progress, release_model, start_attempt
 
 OPERATOR_KEY = "dpt_views-operator-key-0123456789"
 TRIAL_SECONDS = 0.02  # how long a simulated trial runs: K = 5 takes five times as long
@@ -92,7 +92,7 @@ def _metrics(value: float) -> list[dict[str, Any]]:
 
 def run_trial(svc: Service, job_id: int, index: int, params: dict, score: float | None,
               status: str = "succeeded") -> None:
-    """One trial as workers.trainable.run_candidate records it."""
+    """One trial as runner.trainable.run_candidate records it."""
     with svc.session() as session:
         attempt = start_attempt(session, job_id, index, params)
         time.sleep(TRIAL_SECONDS)
@@ -101,17 +101,17 @@ def run_trial(svc: Service, job_id: int, index: int, params: dict, score: float 
 
 
 def release(svc: Service, job_id: int, best: int) -> None:
-    """workers.job._release_best and the driver's last state change."""
+    """runner.driver._release_best and the driver's last state change."""
     with svc.session() as session:
         trial = next(t for t in session.get(Job, job_id).trials if t.index == best)
         release_model(session, svc.data_path, trial.id, WEIGHTS, {"model": {"name": "mlp"}},
                       {"num_classes": 10, "input_shape": [64]})
-        jobs.apply_state(session, job_id, JobState.RELEASED)
+        lifecycle.apply_state(session, job_id, JobState.RELEASED)
 
 
 def set_state(svc: Service, job_id: int, state: JobState) -> None:
     with svc.session() as session:
-        jobs.apply_state(session, job_id, state)
+        lifecycle.apply_state(session, job_id, state)
 
 
 def analyst_view(svc: Service, job_id: int) -> dict[str, Any]:

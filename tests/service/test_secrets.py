@@ -7,17 +7,16 @@ its password. A locally started Ray head inherited them as well, and so did ever
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from service.cluster import RayConnection, RayOrchestrator
+from runner.settings import RunnerSettings
+from service.cluster import RayConnection, RayOrchestrator, ray_jobs
 from service.cluster import head as head_module
-from service.cluster import orchestrator as orchestrator_module
-from service.orchestrator import Submission
-from service.settings import Settings
+from service.cluster.ray_jobs import namespace
+from service.orchestration import Submission
 
 OPERATOR_KEY = "dpt_operator-super-secret-0123456789"
 DATABASE_URL = "postgresql+psycopg://dptune:s3cret-passw0rd@db.internal/dptune"
@@ -44,27 +43,28 @@ def service_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_ray_job_gets_only_the_allow_list(service_env, monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(orchestrator_module, "JobSubmissionClient", RecordingClient)
+    monkeypatch.setattr(ray_jobs, "JobSubmissionClient", RecordingClient)
     RecordingClient.submitted.clear()
     orchestrator = RayOrchestrator(RayConnection("http://127.0.0.1:1", "tok", False),
-                                   DATABASE_URL, tmp_path)
-    orchestrator.submit(Submission(7, {}, {}, "builtin:digits", {}))
+                                   "http://dptune-api:8000", tmp_path, namespace(DATABASE_URL))
+    orchestrator.submit(Submission(7, "dpr_job-token", "digits"))
     (call,) = RecordingClient.submitted
     env = call["runtime_env"]["env_vars"]
-    assert set(env) == {"DPTUNE_DATA_DIR", "DPTUNE_DATABASE_URL_FILE", "PYTHONUNBUFFERED"}
+    assert env == {"DPTUNE_CONTROL_URL": "http://dptune-api:8000",
+                   "DPTUNE_JOB_TOKEN": "dpr_job-token", "DPTUNE_DATA_DIR": str(tmp_path),
+                   "PYTHONUNBUFFERED": "1"}
     shown = repr(call)
     assert OPERATOR_KEY not in shown and "s3cret-passw0rd" not in shown
+    assert "db.internal" not in shown  # not even the database's host
 
-    url_file = Path(env["DPTUNE_DATABASE_URL_FILE"])
-    assert stat.S_IMODE(url_file.stat().st_mode) == 0o600
-    assert url_file.read_text() == DATABASE_URL
-    # the driver reads the URL from the file, with only the allow-list in its environment
+    # the runner starts from that environment alone
     for name in ("DPTUNE_OPERATOR_KEY", "DPTUNE_DATABASE_URL", "DPTUNE_SOME_FUTURE_SETTING"):
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    driver = Settings()
-    assert driver.sqlalchemy_url == DATABASE_URL and driver.operator_key is None
+    runner = RunnerSettings()  # type: ignore[call-arg]
+    assert runner.job_token.get_secret_value() == "dpr_job-token"
+    assert runner.control_url == "http://dptune-api:8000"
 
 
 def test_a_local_ray_head_does_not_inherit_the_services_settings(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class JobState(StrEnum):
@@ -32,22 +32,21 @@ class JobState(StrEnum):
 
 @dataclass(frozen=True)
 class Submission:
-    """What a job runner needs: the admitted spec and plan (σ, steps, trial counts), the
-    dataset's source and the paths to use. Trials record themselves through
-    :mod:`service.trials` (attempts must be recorded before they read data)."""
+    """What an orchestrator hands to a job's runner: the job's id and its runner token. The
+    runner reads the admitted spec and plan, and records its trials, through the control
+    plane's internal API (:mod:`service.api.runner`) with that token — attempts recorded, and
+    charged, before they read data."""
 
     job_id: int
-    spec: dict[str, Any]
-    plan: dict[str, Any]
-    dataset_source: str
-    dataset_options: dict[str, Any]
+    token: str
+    dataset_name: str
 
 
 class Orchestrator(Protocol):
     """Runs admitted jobs; ``dashboard_url`` is where an operator watches them, if anywhere.
-    Contract: a job's code reads the dataset only inside trial attempts
-    recorded beforehand with :func:`service.trials.start_attempt` (which refuses attempts the
-    reservation does not cover); the ledger charges exactly those attempts (invariant 3)."""
+    Contract: a job's code reads the dataset only inside trial attempts recorded beforehand
+    through the internal API (``POST /internal/v1/jobs/{id}/attempts``, which refuses attempts
+    the reservation does not cover); the ledger charges exactly those attempts (invariant 3)."""
 
     @property
     def dashboard_url(self) -> str | None: ...

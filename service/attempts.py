@@ -20,9 +20,9 @@ from safetensors.numpy import save_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import ledger
+from service import ledger, lifecycle
 from service.db import Artifact, Job, Trial, TrialAttempt, begin_write, locked_dataset
-from service.orchestrator import JobState
+from service.orchestration import JobState
 
 
 class AttemptRefused(Exception):
@@ -46,9 +46,8 @@ def start_attempt(session: Session, job_id: int, index: int, params: dict[str, A
         attempt = TrialAttempt(number=len(trial.attempts) + 1)
         trial.attempts.append(attempt)
         trial.status = JobState.RUNNING
-        job.status = JobState.RUNNING
-        job.started_at = job.started_at or datetime.now(UTC)
         session.flush()
+        lifecycle.transition(session, job, JobState.RUNNING)
         ledger.charge_what_ran(session, job)
         session.commit()
         return attempt.id

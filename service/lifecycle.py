@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import ledger
-from service.auth import Principal
+from service.auth import Principal, digest
 from service.db import Dataset, Job, begin_write, locked_dataset
-from service.orchestrator import JobState, Orchestrator, Submission
+from service.orchestration import JobState, Orchestrator, Submission
 from service.planning import PlannedJob
 from service.spec import JobSpec
 
@@ -101,11 +102,15 @@ def admit(
 
 
 def submit(session: Session, orchestrator: Orchestrator, job: Job, dataset: Dataset) -> None:
-    """Hand an admitted job to the orchestrator; a job that cannot be submitted fails (and,
-    never having started, gets its reservation back)."""
-    submission = Submission(job.id, job.spec, job.plan, dataset.source, dataset.options)
+    """Hand an admitted job to the orchestrator with a runner token minted for it (its hash
+    stored first: the runner may call back at once); a job that cannot be submitted fails
+    (and, never having started, gets its reservation back)."""
+    token = f"dpr_{secrets.token_urlsafe(32)}"
+    begin_write(session)
+    session.get(Job, job.id).runner_token_sha256 = digest(token)
+    session.commit()
     try:
-        orchestrator.submit(submission)
+        orchestrator.submit(Submission(job.id, token, dataset.name))
     except Exception as error:
         apply_state(session, job.id, JobState.FAILED, f"submission failed: {error}")
         return
@@ -142,31 +147,38 @@ def reconcile(session: Session, orchestrator: Orchestrator, *, startup: bool = F
 
 
 def apply_state(session: Session, job_id: int, state: JobState, error: str | None = None) -> None:
-    """Record a state reported by the orchestrator; when the job has ended, settle its
-    ledger (:func:`service.ledger.settle`) in the same locked transaction. A ``lost`` job is
-    recorded as failed with its whole reservation charged."""
+    """Record a state reported by the orchestrator or the job's runner, in its own locked
+    transaction (:func:`transition`)."""
     dataset_id = session.get(Job, job_id).dataset_id
     try:
         locked_dataset(session, dataset_id)
-        job = session.get(Job, job_id, populate_existing=True)
-        if JobState(job.status).terminal or job.status == state:
-            session.commit()
-            return
-        now = datetime.now(UTC)
-        if state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
-            job.started_at = now
-            # a random-stopping job owes its whole bound from here on, whatever K will be:
-            # charge it now, so that when the ledger changes does not depend on K either
-            ledger.charge_what_ran(session, job)
-        lost = state == JobState.LOST
-        job.status = JobState.FAILED if lost else state
-        if lost:
-            error = "the orchestrator has no record of this job: its whole reservation is charged"
-        job.error = error or job.error
-        if state.terminal:
-            job.finished_at = now
-            ledger.settle(session, job, charge_reservation=lost)
+        transition(session, session.get(Job, job_id, populate_existing=True), state, error)
         session.commit()
     except BaseException:
         session.rollback()
         raise
+
+
+def transition(session: Session, job: Job, state: JobState, error: str | None = None) -> None:
+    """The job state machine: the only code that changes ``Job.status``. The caller holds the
+    dataset's budget lock and commits.
+
+    A terminal job never changes again. When a job starts, everything it owes from then on is
+    charged — under random stopping its whole bound, before K is drawn, so that when the
+    ledger changes does not depend on K. When it ends, its ledger is settled
+    (:func:`service.ledger.settle`); a ``lost`` job is recorded as failed with its whole
+    reservation charged."""
+    if JobState(job.status).terminal or job.status == state:
+        return
+    now = datetime.now(UTC)
+    if state in (JobState.RUNNING, JobState.SUCCEEDED) and job.started_at is None:
+        job.started_at = now
+        ledger.charge_what_ran(session, job)
+    lost = state == JobState.LOST
+    job.status = JobState.FAILED if lost else state
+    if lost:
+        error = "the orchestrator has no record of this job: its whole reservation is charged"
+    job.error = error or job.error
+    if state.terminal:
+        job.finished_at = now
+        ledger.settle(session, job, charge_reservation=lost)

@@ -2,8 +2,8 @@
 
 It lives in its own module (not in the driver, which runs as ``__main__``) so that Ray's
 workers import it by name. Privacy bookkeeping happens where data is touched: the attempt is
-recorded, and charged, by :func:`service.trials.start_attempt` *before* the trial loads the
-dataset (DESIGN.md invariants 2–3).
+recorded, and charged, through the control plane *before* the trial loads the dataset
+(DESIGN.md invariants 2–3).
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from typing import Any
 import torch
 from ray import tune
 from safetensors.torch import save_file
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session
 
-from service import trials as records
-from service.db import create_db_engine
+from runner.client import AttemptRefused, ControlPlane
 from service.spec import JobSpec
 from workers.config import DatasetConfig, TrialConfig
 from workers.search import Candidate, random_candidate
@@ -40,7 +37,8 @@ class JobContext:
     driver never holds the order of candidates either."""
 
     job_id: int
-    database_url: str
+    control_url: str
+    token: str
     data_dir: Path
     spec: dict[str, Any]
     plan: dict[str, Any]
@@ -48,17 +46,17 @@ class JobContext:
     trials: int
     candidates: list[Candidate] | None
 
-    def engine(self) -> Engine:
-        return database_engine(self.database_url)
+    def control_plane(self) -> ControlPlane:
+        return _control_plane(self.control_url, self.token, self.job_id)
 
     def weights_path(self, index: int) -> Path:
         return self.data_dir / "jobs" / str(self.job_id) / f"trial-{index}.safetensors"
 
 
 @functools.lru_cache(maxsize=4)
-def database_engine(database_url: str) -> Engine:
-    """One engine (and connection pool) per process, however many trials it runs."""
-    return create_db_engine(database_url)
+def _control_plane(url: str, token: str, job_id: int) -> ControlPlane:
+    """One HTTP client (and connection pool) per process, however many trials it runs."""
+    return ControlPlane(url, token, job_id)
 
 
 def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
@@ -79,14 +77,13 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     index = int(config["index"])
     # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
     torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
-    engine = ctx.engine()
+    api = ctx.control_plane()
     params = _candidate(ctx, index)
     try:
-        with Session(engine) as session:
-            # Charged before any data is read; refused when the reservation does not cover
-            # it (a cancelled job, retries used up): then the trial ends without touching data.
-            attempt_id = records.start_attempt(session, ctx.job_id, index, params)
-    except records.AttemptRefused as refused:
+        # Charged before any data is read; refused when the reservation does not cover it
+        # (a cancelled job, retries used up): then the trial ends without touching data.
+        attempt = api.start_attempt(index, params)
+    except AttemptRefused as refused:
         log.warning("trial %d not run: %s", index, refused)
         return
     steps_run = 0
@@ -96,17 +93,15 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         steps_run = t
 
     def on_epoch(rows: list[dict[str, Any]]) -> None:
-        metrics = [{**r, "public": r["visibility"] == "public"} for r in rows]
-        with Session(engine) as session:
-            records.record_progress(session, attempt_id, steps_run, metrics)
+        api.progress(attempt, steps_run,
+                     [{**r, "public": r["visibility"] == "public"} for r in rows])
         tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
 
     try:
         outcome = run_trial(trial_config(ctx, params), on_step=on_step, on_epoch=on_epoch,
                             data_dir=ctx.data_dir)
     except BaseException as error:
-        with Session(engine) as session:
-            records.finish_attempt(session, attempt_id, "failed", steps_run)
+        api.finish(attempt, "failed", steps_run)
         log.error("trial %d failed: %s", index, error)
         raise
     result = outcome.result
@@ -114,9 +109,8 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()},
               str(path))
-    with Session(engine) as session:
-        records.finish_attempt(session, attempt_id, "succeeded", result["steps"],
-                               result["score"]["value"], result["thresholds"])
+    api.finish(attempt, "succeeded", result["steps"], result["score"]["value"],
+               result["thresholds"])
     tune.report({"steps": result["steps"], "score": result["score"]["value"], "done": True})
 
 
@@ -129,12 +123,8 @@ class AttemptRecorder(tune.Callback):
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
 
-    def _fail_open_attempts(self, trial: Any) -> None:
-        with Session(self.ctx.engine()) as session:
-            records.fail_open_attempts(session, self.ctx.job_id, int(trial.config["index"]))
-
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._fail_open_attempts(trial)
+        self.ctx.control_plane().fail_open(int(trial.config["index"]))
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._fail_open_attempts(trial)
+        self.ctx.control_plane().fail_open(int(trial.config["index"]))

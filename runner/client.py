@@ -1,0 +1,71 @@
+"""The control plane's internal API as the runner sees it (``service.api.runner``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class AttemptRefused(Exception):
+    """The job's reservation does not cover this attempt: it must not touch data."""
+
+
+class ControlPlane:
+    """Calls for one job, authenticated by its token; connection errors are retried."""
+
+    def __init__(self, url: str, token: str, job_id: int, timeout_s: float = 60.0) -> None:
+        self.base = f"{url.rstrip('/')}/internal/v1/jobs/{job_id}"
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"},
+                                 timeout=timeout_s, transport=httpx.HTTPTransport(retries=5))
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return self.http.request(method, self.base + path, **kwargs)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._request(method, path, **kwargs)
+        if not response.is_success:
+            raise RuntimeError(f"control plane: {method} {path}: {response.status_code} "
+                               f"{response.text[:500]}")
+        return response
+
+    def context(self) -> dict[str, Any]:
+        """The admitted spec and plan, and the dataset as trials load it."""
+        return self._call("GET", "").json()
+
+    def start(self) -> None:
+        """Mark the job running: a random-stopping job's bound is charged from here on."""
+        self._call("POST", "/start")
+
+    def start_attempt(self, index: int, params: dict[str, Any]) -> int:
+        """Record (and charge) an attempt of trial ``index`` before it reads data."""
+        response = self._request("POST", "/attempts", json={"index": index, "params": params})
+        if response.status_code == httpx.codes.CONFLICT:
+            raise AttemptRefused(response.json()["detail"])
+        if not response.is_success:
+            raise RuntimeError(f"control plane: POST /attempts: {response.status_code} "
+                               f"{response.text[:500]}")
+        return int(response.json()["attempt"])
+
+    def progress(self, attempt: int, steps: int, metrics: list[dict[str, Any]]) -> None:
+        self._call("POST", f"/attempts/{attempt}/progress",
+                   json={"steps": steps, "metrics": metrics})
+
+    def finish(self, attempt: int, status: str, steps: int, score: float | None = None,
+               thresholds: list[float] | None = None) -> None:
+        self._call("POST", f"/attempts/{attempt}/finish",
+                   json={"status": status, "steps": steps, "score": score,
+                         "thresholds": thresholds})
+
+    def fail_open(self, index: int) -> None:
+        """Trial ``index``'s process died: fail its attempts that never reported an end."""
+        self._call("POST", f"/trials/{index}/fail-open")
+
+    def upload_model(self, index: int, weights: bytes) -> None:
+        """Release trial ``index``'s weights (safetensors); the control plane checks that it is
+        the job's best finished trial."""
+        self._call("PUT", f"/trials/{index}/model", content=weights,
+                   headers={"content-type": "application/octet-stream"})
+
+    def end(self, state: str, error: str | None = None) -> None:
+        self._call("POST", "/end", json={"state": state, "error": error})

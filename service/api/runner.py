@@ -1,0 +1,216 @@
+"""The runner's API: what a job's runner (the Ray driver and its trials, package ``runner``)
+reports to the control plane, authenticated by the job-scoped token minted when the job was
+submitted (DESIGN.md invariant 10: Ray nodes hold no database credentials and no operator key).
+
+A token is good for its own job only (any other job answers 404) and for these calls only:
+read the job's trial contract, mark the job started, start an attempt (charged before it
+touches data; 409 when the reservation does not cover it), record progress, finish an attempt,
+mark a dead trial's open attempts failed, upload the selected trial's weights, and report the
+job's end. None of them can reduce a charge: attempts only add charges, and settlement releases
+only the reservation of what never ran, computed here from the recorded attempts.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
+from safetensors.numpy import load as load_safetensors
+from sqlalchemy.orm import Session
+
+from service import attempts, lifecycle
+from service.api.deps import SessionDep, SettingsDep
+from service.api.errors import field_error
+from service.auth import digest
+from service.db import Dataset, Job, Trial, TrialAttempt
+from service.orchestration import JobState
+from service.spec import JobSpec
+from workers.config import DatasetConfig
+
+router = APIRouter(prefix="/internal/v1/jobs/{job_id}", tags=["runner (internal)"])
+#: request paths of model uploads, which may be larger than other bodies
+MODEL_UPLOAD_PATHS = r"/internal/v1/jobs/\d+/trials/\d+/model"
+
+_bearer = HTTPBearer(auto_error=False, description="the job's runner token")
+
+
+def runner_job(
+    request: Request,
+    job_id: Annotated[int, Path(ge=1)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> int:
+    """The job id, when the request carries that job's runner token; 404 otherwise (a token
+    of another job must not even learn whether this one exists)."""
+    if credentials is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "a job token is required",
+                            headers={"WWW-Authenticate": "Bearer"})
+    with request.app.state.sessions() as session:
+        job = session.get(Job, job_id)
+        expected = job.runner_token_sha256 if job is not None else None
+    if expected is None or not hmac.compare_digest(expected, digest(credentials.credentials)):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
+    return job_id
+
+
+RunnerJob = Annotated[int, Depends(runner_job)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class JobContextOut(BaseModel):
+    """What the runner needs: the admitted spec and plan, and the dataset's trial contract
+    (``workers.config.DatasetConfig``: source, options, declared label set, content hash)."""
+
+    job_id: int
+    accounting: str
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    dataset: dict[str, Any]
+
+
+class AttemptIn(Strict):
+    index: int = Field(ge=0)
+    params: dict[str, Any]
+
+
+class AttemptOut(BaseModel):
+    attempt: int
+
+
+class ProgressIn(Strict):
+    steps: int = Field(ge=0)
+    metrics: list[dict[str, Any]] = Field(max_length=10_000)
+
+
+class FinishIn(Strict):
+    status: Literal["succeeded", "failed"]
+    steps: int = Field(ge=0)
+    score: float | None = None
+    thresholds: list[float] | None = None
+
+
+class EndIn(Strict):
+    state: Literal["released", "succeeded", "failed"]
+    error: str | None = Field(None, max_length=2000)
+
+
+def dataset_config(dataset: Dataset) -> DatasetConfig:
+    """The dataset as trials load it: registered source, options, label set and hash."""
+    return DatasetConfig(source=dataset.source, options=dataset.options,
+                         num_classes=dataset.num_classes, sha256=dataset.content_sha256)
+
+
+def _job(session: Session, job_id: int) -> Job:
+    return session.get(Job, job_id)  # type: ignore[return-value]  # checked by runner_job
+
+
+def _attempt(session: Session, job_id: int, attempt_id: int) -> TrialAttempt:
+    attempt = session.get(TrialAttempt, attempt_id)
+    trial = session.get(Trial, attempt.trial_id) if attempt is not None else None
+    if trial is None or trial.job_id != job_id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"attempt {attempt_id} not found")
+    return attempt  # type: ignore[return-value]
+
+
+@router.get("")
+def context(job_id: RunnerJob, session: SessionDep) -> JobContextOut:
+    job = _job(session, job_id)
+    dataset = session.get(Dataset, job.dataset_id)
+    assert dataset is not None
+    return JobContextOut(job_id=job.id, accounting=job.accounting, spec=job.spec, plan=job.plan,
+                         dataset=dataset_config(dataset).model_dump(mode="json"))
+
+
+@router.post("/start", status_code=status.HTTP_204_NO_CONTENT)
+def start(job_id: RunnerJob, session: SessionDep) -> Response:
+    """The job is running: from here on it owes its whole bound if it is a random-stopping
+    job (charged now, before the runner draws K)."""
+    lifecycle.apply_state(session, job_id, JobState.RUNNING)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/attempts", status_code=status.HTTP_201_CREATED)
+def start_attempt(job_id: RunnerJob, body: AttemptIn, session: SessionDep) -> AttemptOut:
+    """Record and charge an attempt before it reads data; 409 when not covered."""
+    try:
+        return AttemptOut(attempt=attempts.start_attempt(session, job_id, body.index,
+                                                         body.params))
+    except attempts.AttemptRefused as refused:
+        raise field_error("index", str(refused), status.HTTP_409_CONFLICT) from None
+
+
+@router.post("/attempts/{attempt_id}/progress", status_code=status.HTTP_204_NO_CONTENT)
+def progress(job_id: RunnerJob, attempt_id: int, body: ProgressIn,
+             session: SessionDep) -> Response:
+    _attempt(session, job_id, attempt_id)
+    attempts.record_progress(session, attempt_id, body.steps, body.metrics)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/attempts/{attempt_id}/finish", status_code=status.HTTP_204_NO_CONTENT)
+def finish(job_id: RunnerJob, attempt_id: int, body: FinishIn, session: SessionDep) -> Response:
+    _attempt(session, job_id, attempt_id)
+    attempts.finish_attempt(session, attempt_id, body.status, body.steps, body.score,
+                            body.thresholds)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/trials/{index}/fail-open", status_code=status.HTTP_204_NO_CONTENT)
+def fail_open(job_id: RunnerJob, index: int, session: SessionDep) -> Response:
+    """A trial's process died: its attempts that never reported an end are failed (they stay
+    charged)."""
+    attempts.fail_open_attempts(session, job_id, index)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _best_trial(job: Job) -> Trial | None:
+    """The finished trial with the best DP selection score (DESIGN.md invariant 5)."""
+    done = [t for t in job.trials if t.status == "succeeded" and t.score is not None]
+    sign = 1 if job.spec["selection"]["mode"] == "max" else -1
+    return max(done, key=lambda t: sign * t.score, default=None)  # type: ignore[operator]
+
+
+@router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED)
+async def upload_model(job_id: RunnerJob, index: int, request: Request, session: SessionDep,
+                       settings: SettingsDep) -> Response:
+    """Release the weights of trial ``index`` (safetensors bytes). Only the best finished trial
+    by its DP score may be released, once: the runner cannot pick another. The file's metadata
+    is written here — the trial config without the dataset part, and the dataset's public
+    shape."""
+    job = _job(session, job_id)
+    best = _best_trial(job)
+    if best is None or best.index != index:
+        raise field_error("index", f"trial {index} is not the job's best finished trial",
+                          status.HTTP_409_CONFLICT)
+    if job.artifact is not None:
+        raise field_error("index", "the job has released its model", status.HTTP_409_CONFLICT)
+    try:
+        tensors = load_safetensors(await request.body())
+    except (SafetensorError, ValueError) as error:
+        raise field_error("body", f"not a safetensors file: {error}") from None
+    dataset = session.get(Dataset, job.dataset_id)
+    assert dataset is not None
+    config = JobSpec.model_validate(job.spec).trial_config(
+        dataset_config(dataset), job.plan["noise_multiplier"], job.plan["delta"], best.params,
+    ).model_dump(mode="json", exclude={"dataset"})
+    public = {"num_classes": dataset.num_classes, "input_shape": dataset.input_shape}
+    attempts.release_model(session, settings.data_path, best.id, tensors, config, public)
+    return Response(status_code=status.HTTP_201_CREATED)
+
+
+@router.post("/end", status_code=status.HTTP_204_NO_CONTENT)
+def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> Response:
+    """The runner is done: ``released`` after a model upload, ``succeeded`` when no trial
+    finished, ``failed``. The job is settled."""
+    job = _job(session, job_id)
+    if (body.state == "released") != (job.artifact is not None):
+        raise field_error("state", f"{body.state!r} does not match whether a model was "
+                          "released", status.HTTP_409_CONFLICT)
+    lifecycle.apply_state(session, job_id, JobState(body.state), body.error)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
