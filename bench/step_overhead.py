@@ -6,7 +6,7 @@
 
 Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
 clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_torchrng`` (the same step with
-its noise from torch's own generator instead of the product's ChaCha20 stream: the ratio
+its noise from torch's own generator instead of the product's AES-CTR stream: the ratio
 ``fast`` / ``fast_torchrng`` is what secure randomness costs), ``opacus_hooks`` and
 ``opacus_ghost`` (Opacus 1.6 ``grad_sample_mode="hooks"`` / ``"ghost"``, an optional benchmark
 dependency). Every DP column clips (Abadi, R = 1, all-layer unless ``--style``), adds Gaussian

@@ -17,10 +17,12 @@ import ray
 from ray import tune
 
 from runner.client import ControlPlane
+from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
 from runner.trainable import AttemptRecorder, JobContext, run_candidate
+from service.accounting import tuning_method
 from workers.config import DatasetConfig
-from workers.search import Candidate, candidates, draw_trial_count
+from workers.dp.randomness import SecureStream
 
 log = logging.getLogger("dptune.job")
 
@@ -32,14 +34,15 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
     are drawn inside the trials (:mod:`workers.search`)."""
     job = api.context()
     spec, plan = job["spec"], job["plan"]
+    method = tuning_method(plan["method"])
     cands: list[Candidate] | None = None
-    if job["accounting"] == "rdp":
+    if method.random_stopping:
+        api.start()
+        k = method.draw_trials(SecureStream().numpy)  # from OS entropy, never a seed
+    else:
         cands = candidates(spec["search_space"], spec["privacy"].get("trials") or 1,
                            spec["seed"] or 0)
         k = len(cands)
-    else:
-        api.start()
-        k = draw_trial_count(job["accounting"], plan["params"])
     return JobContext(job_id, settings.control_url, settings.job_token.get_secret_value(),
                       settings.data_dir.resolve(), spec, plan,
                       DatasetConfig.model_validate(job["dataset"]), k, cands)
@@ -48,7 +51,8 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
 def _tune(ctx: JobContext) -> dict[int, float]:
     """Run the trials; the DP selection scores of those that finished, by trial index."""
     resources = ctx.spec["resources"]
-    retries = ctx.spec["privacy"].get("max_retries", 0) if ctx.plan["accounting"] == "rdp" else 0
+    retries = (0 if tuning_method(ctx.plan["method"]).random_stopping
+               else ctx.spec["privacy"]["max_retries"])
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_candidate, ctx=ctx),
                             {"cpu": resources["cpu"], "gpu": resources["gpu"]}),

@@ -20,9 +20,9 @@ from ray import tune
 from safetensors.torch import save_file
 
 from runner.client import AttemptRefused, ControlPlane
+from runner.search import Candidate, random_candidate
 from service.spec import JobSpec
 from workers.config import DatasetConfig, TrialConfig
-from workers.search import Candidate, random_candidate
 from workers.trial import run_trial
 
 log = logging.getLogger("dptune.trial")

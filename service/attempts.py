@@ -63,7 +63,7 @@ def _check_covered(job: Job, trial: Trial | None, index: int) -> None:
         raise AttemptRefused(f"trial index {index} outside the plan's {cap} trials")
     if trial is None:
         return
-    retries = job.spec["privacy"]["max_retries"] if job.accounting == "rdp" else 0
+    retries = 0 if ledger.tuning_method(job).random_stopping else job.spec["privacy"]["max_retries"]
     if len(trial.attempts) > retries:
         raise AttemptRefused(f"trial {index} has used its {retries} reserved retries")
 

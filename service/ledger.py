@@ -168,7 +168,7 @@ def settle(session: Session, job: Job, *, charge_reservation: bool = False) -> N
 def _charges_due(job: Job, reservation: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     """(reference, amount, note) of every charge the job has incurred so far."""
     attempts = [(t, a) for t in job.trials for a in t.attempts]
-    if job.accounting != "rdp":
+    if tuning_method(job).random_stopping:
         started = job.started_at is not None or attempts
         return [(f"job:{job.id}:bound", reservation, "random-stopping bound")] if started else []
     trial = amount(accounting.Charge(rdp=trial_rdp(job)))
@@ -178,10 +178,14 @@ def _charges_due(job: Job, reservation: np.ndarray) -> list[tuple[str, np.ndarra
     ]
 
 
+def tuning_method(job: Job) -> accounting.TuningMethod:
+    """How the job's trials are charged, as its plan stored it."""
+    return accounting.tuning_method(job.plan["method"])
+
+
 def trial_rdp(job: Job) -> np.ndarray:
     """One trial's RDP curve, recomputed from the job's stored plan."""
     plan = job.plan
-    noise = plan["validation_noise"]
-    extra = None if noise is None else accounting.gaussian_rdp(noise)
-    return accounting.trial_rdp(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
-                                extra)
+    return accounting.TrialMechanism(
+        sample_rate=plan["sample_rate"], noise_multiplier=plan["noise_multiplier"],
+        steps=plan["steps"], validation_noise=plan["validation_noise"]).rdp()

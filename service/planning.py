@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
@@ -63,7 +62,7 @@ class Plan(BaseModel):
     trial_epsilon: float  # one trial's ε at the job's δ
     epsilon: float  # the job's ε ...
     delta: float  # ... at this δ
-    params: dict[str, Any]  # the accounting parameters used (γ, δ₂, mean, η, cap)
+    method: accounting.TuningMethod  # how the trials are charged: kind and parameters
     defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
 
 
@@ -93,35 +92,32 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     steps = num_steps(dataset.n, spec.batch_size, spec.epochs)
     if steps > MAX_STEPS:
         raise PlanError("epochs", f"{steps} steps per trial exceed {MAX_STEPS}")
-    params, method_defaults = _method_params(spec, dataset, delta)
-    method = privacy.accounting
+    method, method_defaults = _tuning_method(spec, dataset, delta)
     noise = validation.noise if validation.split == "private" else None
     try:
-        sigma = _calibrate(q, steps, privacy.epsilon, delta, method, noise,
-                           tuple(sorted(params.items())))
+        sigma = _calibrate(q, steps, privacy.epsilon, delta, method, noise)
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    extra = None if noise is None else accounting.gaussian_rdp(noise)
-    trial = accounting.trial_rdp(q, sigma, steps, extra)
+    mechanism = accounting.TrialMechanism(sample_rate=q, noise_multiplier=sigma, steps=steps,
+                                          validation_noise=noise)
+    trial = mechanism.rdp()
     plan = Plan(
-        accounting=method,
+        accounting=privacy.accounting,
         sample_rate=q,
         steps=steps,
         noise_multiplier=sigma,
         gradient_noise_multiplier=_gradient_noise(spec, sigma),
         validation_noise=noise,
-        trials=_trial_count(spec, params, trial, delta),
-        attempts_reserved=params.get("trials"),
-        trial_epsilon=accounting.epsilon_from_rdp(trial, delta)[0],
-        epsilon=accounting.job_epsilon(trial, delta, method, **params),
+        trials=_trial_count(spec, method),
+        attempts_reserved=method.trials if isinstance(method, accounting.Rdp) else None,
+        trial_epsilon=mechanism.epsilon(delta)[0],
+        epsilon=method.epsilon(trial, delta),
         delta=delta,
-        params=params,
+        method=method,
         defaults=defaults | method_defaults,
     )
-    reservation = accounting.job_charge(trial, delta, method, statement_epsilon=dataset.epsilon,
-                                        **params)
-    return PlannedJob(plan=plan, reservation=reservation)
+    return PlannedJob(plan=plan, reservation=method.charge(trial, delta, dataset.epsilon))
 
 
 def _job_delta(
@@ -155,14 +151,15 @@ def _job_delta(
     )}
 
 
-def _method_params(
+def _tuning_method(
     spec: JobSpec, dataset: Dataset, delta: float
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Parameters of the job's accounting method for ``service.accounting``, and why each
-    default among them was chosen."""
+) -> tuple[accounting.TuningMethod, dict[str, str]]:
+    """The spec's ``privacy`` as a tuning method (:mod:`service.accounting.methods`), with its
+    defaults filled in, and why each default was chosen. The one place the spec's kinds become
+    values."""
     privacy = spec.privacy
     if privacy.accounting == "rdp":
-        return {"trials": spec.trial_count() * (1 + privacy.max_retries)}, {}
+        return accounting.Rdp(trials=spec.trial_count() * (1 + privacy.max_retries)), {}
     defaults: dict[str, str] = {}
     if privacy.accounting == "lt":
         gamma = privacy.gamma if privacy.gamma is not None else 1 / privacy.expected_trials
@@ -175,7 +172,11 @@ def _method_params(
             )
         if delta2 >= delta:
             raise PlanError("privacy.delta2", f"must be below the job's δ {delta}")
-        return {"gamma": gamma, "delta2": delta2}, defaults
+        lt = accounting.LiuTalwar(gamma=gamma, delta2=delta2)
+        if lt.max_trials > MAX_TRIALS:
+            raise PlanError("privacy.gamma", f"the cap on trials {lt.max_trials} exceeds "
+                            f"{MAX_TRIALS}")
+        return lt, defaults
     eta = None if privacy.eta == "poisson" else privacy.eta
     # the ledger states the cap at the dataset's budget ε, the job at most at its target ε
     epsilon = max(dataset.epsilon, privacy.epsilon)
@@ -195,26 +196,21 @@ def _method_params(
             f"P[K > {cap}] = {tail:.3g} costs (1 + e^{epsilon:g})·{tail:.3g} = {cost:.3g} of δ, "
             f"which leaves nothing of the job's δ {delta:g}",
         )
-    return {"mean": privacy.mean, "eta": eta, "max_trials": cap}, defaults
+    return accounting.PapernotSteinke(mean=privacy.mean, eta=eta, max_trials=cap), defaults
 
 
-def _trial_count(
-    spec: JobSpec, params: dict[str, Any], trial: np.ndarray, delta: float
-) -> TrialCount:
+def _trial_count(spec: JobSpec, method: accounting.TuningMethod) -> TrialCount:
     """How many trials the job runs: fixed K, or its distribution and cap."""
-    if spec.privacy.accounting == "rdp":
-        k = spec.trial_count()
-        return TrialCount(distribution="fixed", mean=k, max=k)
-    if spec.privacy.accounting == "lt":
-        cap = accounting.liu_talwar(trial, delta, **params).max_trials
-        if cap > MAX_TRIALS:
-            raise PlanError("privacy.gamma", f"the cap on trials {cap} exceeds {MAX_TRIALS}")
-        return TrialCount(distribution="geometric_stopping", mean=1 / params["gamma"], max=cap)
-    eta = params["eta"]
-    return TrialCount(
-        distribution="poisson" if eta is None else "truncated_negative_binomial",
-        mean=params["mean"], max=params["max_trials"], eta=eta,
-    )
+    match method:
+        case accounting.LiuTalwar():
+            return TrialCount(distribution="geometric_stopping", mean=1 / method.gamma,
+                              max=method.max_trials)
+        case accounting.PapernotSteinke(max_trials=int(cap)):
+            return TrialCount(distribution="poisson" if method.eta is None
+                              else "truncated_negative_binomial", mean=method.mean, max=cap,
+                              eta=method.eta)
+    k = spec.trial_count()
+    return TrialCount(distribution="fixed", mean=k, max=k)
 
 
 def _default_cap(mean: float, eta: float | None, delta: float, epsilon: float) -> int:
@@ -258,11 +254,10 @@ def _calibrate(
     steps: int,
     epsilon: float,
     delta: float,
-    method: str,
+    method: accounting.TuningMethod,
     validation_noise: float | None,
-    params: tuple[tuple[str, Any], ...],
 ) -> float:
-    """Calibration bisects over σ (about a second); identical jobs reuse the answer."""
+    """Calibration bisects over σ (about a second); identical jobs reuse the answer (methods
+    are frozen values, so they key the cache)."""
     extra = None if validation_noise is None else accounting.gaussian_rdp(validation_noise)
-    return accounting.calibrate_noise(q, steps, epsilon, delta, method, extra_rdp=extra,
-                                      **dict(params))
+    return accounting.calibrate_noise(q, steps, epsilon, delta, method, extra_rdp=extra)

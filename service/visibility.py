@@ -86,7 +86,7 @@ class EntryView:
 
 def _k_secret(job: Job, caller: Principal) -> bool:
     """Whether the caller must learn nothing about how many trials the job ran."""
-    return job.accounting != "rdp" and not caller.is_operator
+    return job.accounting in accounting.RANDOM_STOPPING and not caller.is_operator
 
 
 def hold_until(job: Job) -> datetime | None:
@@ -172,7 +172,8 @@ def _progress(job: Job, caller: Principal, shown: list[Trial]) -> Progress:
     done = sum(t.status in ("succeeded", "failed") for t in shown)
     return Progress(
         trials_done=None if _k_secret(job, caller) else done,
-        trials_total=job.plan["trials"]["max"] if job.accounting == "rdp" else "random",
+        trials_total=("random" if job.accounting in accounting.RANDOM_STOPPING
+                      else job.plan["trials"]["max"]),
         best_score=best,
     )
 
@@ -254,11 +255,11 @@ def ledger_entries(session: Session, caller: Principal, dataset: Dataset,
     none ran, depends on K), and their rows with no amount are left out: the zero release that
     older versions wrote when such a job ended was dated by its end."""
     query = select(Job.id, Job.owner_key_id, Job.accounting).where(Job.dataset_id == dataset.id)
-    jobs = {job_id: (owner, method) for job_id, owner, method in session.execute(query)}
+    jobs = {job_id: (owner, kind) for job_id, owner, kind in session.execute(query)}
     views = []
     for entry in entries:
-        owner, method = jobs.get(entry.job_id, (None, "rdp"))
-        secret = method != "rdp" and not caller.is_operator
+        owner, kind = jobs.get(entry.job_id, (None, None))
+        secret = kind in accounting.RANDOM_STOPPING and not caller.is_operator
         if secret and not ledger.entry_amount(entry).any():
             continue
         identify = caller.is_operator or owner == caller.key_id

@@ -5,14 +5,17 @@ Pure functions, no state: the ledger (``service/``) stores charges and recompute
 """
 
 from service.accounting.calibration import calibrate_noise
-from service.accounting.jobs import (
-    METHODS,
-    Charge,
-    dataset_epsilon,
-    job_charge,
-    job_epsilon,
-    trial_rdp,
+from service.accounting.charges import Charge, dataset_epsilon, trial_rdp
+from service.accounting.methods import (
+    RANDOM_STOPPING,
+    SINGLE,
+    LiuTalwar,
+    PapernotSteinke,
+    Rdp,
+    TrialMechanism,
+    TuningMethod,
     tuning_epsilon,
+    tuning_method,
 )
 from service.accounting.rdp import (
     ORDERS,
@@ -33,10 +36,16 @@ from service.accounting.tuning import (
 )
 
 __all__ = [
-    "METHODS",
     "ORDERS",
+    "RANDOM_STOPPING",
+    "SINGLE",
     "Charge",
+    "LiuTalwar",
     "LiuTalwarBound",
+    "PapernotSteinke",
+    "Rdp",
+    "TrialMechanism",
+    "TuningMethod",
     "calibrate_noise",
     "cap_delta",
     "compose",
@@ -44,8 +53,6 @@ __all__ = [
     "dpsgd_epsilon",
     "epsilon_from_rdp",
     "gaussian_rdp",
-    "job_charge",
-    "job_epsilon",
     "liu_talwar",
     "ps_epsilon",
     "rdp_curve",
@@ -53,5 +60,6 @@ __all__ = [
     "trial_rdp",
     "trials_tail",
     "tuning_epsilon",
+    "tuning_method",
     "tuning_rdp",
 ]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from service.accounting import checks
-from service.accounting.jobs import job_epsilon, method_params, trial_rdp
+from service.accounting.charges import trial_rdp
+from service.accounting.methods import SINGLE, TuningMethod, tuning_method
 
 #: calibrated ε lies in [target·(1 − RELATIVE_TOLERANCE), target]
 RELATIVE_TOLERANCE = 1e-3
@@ -46,23 +47,21 @@ def calibrate_noise(
     steps: int,
     target_epsilon: float,
     delta: float,
-    method: str = "single",
+    method: str | Mapping[str, Any] | TuningMethod = SINGLE,
     *,
     extra_rdp: np.ndarray | None = None,
     **params: Any,
 ) -> float:
-    """Noise multiplier σ that makes one run (``method="single"``) or a whole tuning job
-    (``"rdp"``, ``"lt"``, ``"ps"`` with their parameters, as in
-    :func:`~service.accounting.jobs.tuning_epsilon`) cost ε ∈ [target·(1 − 10⁻³), target] at δ.
-    """
+    """Noise multiplier σ that makes one run (the default) or a whole tuning job (a method, or
+    its kind and parameters as in :func:`~service.accounting.methods.tuning_epsilon`) cost
+    ε ∈ [target·(1 − 10⁻³), target] at δ."""
     target = checks.positive("target_epsilon", target_epsilon)
     checks.sample_rate(sample_rate)
     checks.count("steps", steps)
     checks.probability("delta", delta)
-    params = method_params(method, params)
+    charged = tuning_method(method, **params)
 
     def cost(sigma: float) -> float:
-        return job_epsilon(trial_rdp(sample_rate, sigma, steps, extra_rdp), delta, method,
-                           **params)
+        return charged.epsilon(trial_rdp(sample_rate, sigma, steps, extra_rdp), delta)
 
     return _bisect(cost, target)

@@ -24,33 +24,34 @@ class Method(StrEnum):
 
 
 
-def _method_params(method: str, trials: int, gamma: float | None, delta2: float | None,
-                   eta: float | None, delta: float) -> dict[str, Any]:
-    if method == "rdp":
-        return {"trials": trials}
-    if method == "lt":
-        return {"gamma": gamma if gamma is not None else 1 / trials,
-                "delta2": delta2 if delta2 is not None else delta / 10}
-    if method == "ps":
-        return {"mean": float(trials), "eta": eta}
-    return {}
+def _method(name: str, trials: int, gamma: float | None, delta2: float | None,
+            eta: float | None, delta: float) -> accounting.TuningMethod:
+    """The CLI's options as a tuning method (``single``: one trial). Liu–Talwar's δ₂ defaults
+    to δ/10 here, as the printed example in the README."""
+    params: dict[str, Any] = {
+        "single": {"trials": 1}, "rdp": {"trials": trials},
+        "lt": {"gamma": gamma if gamma is not None else 1 / trials,
+               "delta2": delta2 if delta2 is not None else delta / 10},
+        "ps": {"mean": float(trials), "eta": eta},
+    }[name]
+    return accounting.tuning_method("rdp" if name == "single" else name, **params)
 
 
-def _row(method: str, q: float, steps: int, delta: float, sigma: float | None,
-         target: float | None, histogram_noise: float | None, params: dict[str, Any]
-         ) -> dict[str, Any]:
+def _row(name: str, q: float, steps: int, delta: float, sigma: float | None,
+         target: float | None, histogram_noise: float | None,
+         method: accounting.TuningMethod) -> dict[str, Any]:
     if sigma is None:
-        sigma = accounting.calibrate_noise(q, steps, target, delta, method, **params)
+        sigma = accounting.calibrate_noise(q, steps, target, delta, method)  # type: ignore[arg-type]
     trial = accounting.trial_rdp(q, sigma, steps)
     row: dict[str, Any] = {
-        "method": method, "noise_multiplier": sigma, "sample_rate": q, "steps": steps,
-        "epsilon": accounting.job_epsilon(trial, delta, method, **params), "delta": delta,
-        "params": params,
+        "method": name, "noise_multiplier": sigma, "sample_rate": q, "steps": steps,
+        "epsilon": method.epsilon(trial, delta), "delta": delta,
+        "params": {} if name == "single" else method.model_dump(exclude={"kind"}),
     }
     if histogram_noise is not None:
         row["gradient_noise"] = accounting.split_noise(sigma, histogram_noise)
-    if method == "lt":
-        bound = accounting.liu_talwar(trial, delta, params["gamma"], params["delta2"])
+    if isinstance(method, accounting.LiuTalwar):
+        bound = method.bound(trial, delta)
         row["max_trials"] = bound.max_trials
         row["trial_epsilon"], row["trial_delta"] = bound.trial_epsilon, bound.trial_delta
     return row
@@ -126,7 +127,7 @@ def account(
         methods = ["single", "rdp", "lt", "ps"] if method is Method.all else [method.value]
         rows = [
             _row(m, q, n_steps, delta, noise, target_epsilon, histogram_noise,
-                 _method_params(m, trials, gamma, delta2, None if poisson else eta, delta))
+                 _method(m, trials, gamma, delta2, None if poisson else eta, delta))
             for m in methods
         ]
     except ValueError as err:

@@ -12,12 +12,12 @@ from scipy.stats import norm, poisson
 
 from service.accounting import (
     ORDERS,
+    PapernotSteinke,
     calibrate_noise,
     dataset_epsilon,
     dpsgd_epsilon,
     epsilon_from_rdp,
     gaussian_rdp,
-    job_charge,
     liu_talwar,
     rdp_curve,
     trials_tail,
@@ -192,8 +192,7 @@ def test_geometric_cap_costs_one_plus_e_to_the_epsilon_times_the_tail(cap: int) 
     eps = tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=1.0, max_trials=cap)
     assert_least_fixed_point(curve, eps, tail)
     assert eps > epsilon_from_rdp(curve, DELTA - tail)[0]  # more than charging t alone
-    charge = job_charge(trial, DELTA, "ps", statement_epsilon=budget, mean=mean, eta=1.0,
-                        max_trials=cap)
+    charge = PapernotSteinke(mean=mean, eta=1.0, max_trials=cap).charge(trial, DELTA, budget)
     assert np.array_equal(charge.rdp, curve)
     assert charge.eps_delta[0] == 0.0
     assert charge.eps_delta[1] == pytest.approx((1 + math.exp(budget)) * tail, rel=1e-9)
@@ -205,18 +204,14 @@ def test_poisson_cap_costs_one_plus_e_to_the_epsilon_times_the_tail() -> None:
     tail = poisson.sf(cap, mean)
     eps = tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=mean, eta=None, max_trials=cap)
     assert_least_fixed_point(tuning_rdp(trial, mean, None), eps, tail)
-    charge = job_charge(trial, DELTA, "ps", statement_epsilon=budget, mean=mean, eta=None,
-                        max_trials=cap)
+    charge = PapernotSteinke(mean=mean, eta=None, max_trials=cap).charge(trial, DELTA, budget)
     assert charge.eps_delta[1] == pytest.approx((1 + math.exp(budget)) * tail, rel=1e-9)
 
 
 def test_a_cap_that_leaves_no_delta_is_refused() -> None:
-    trial = rdp_curve(0.01, 1.0, 500)
     cap = 105  # 0.9^105 = 1.6e-5: 2t > δ, so no ε leaves any δ
     with pytest.raises(ValueError, match="max_trials is too small"):
         tuning_epsilon(0.01, 1.0, 500, DELTA, "ps", mean=10.0, eta=1.0, max_trials=cap)
-    with pytest.raises(ValueError, match="statement_epsilon"):
-        job_charge(trial, DELTA, "ps", mean=10.0, eta=1.0, max_trials=200)
 
 
 def test_capped_calibration_lands_on_the_fixed_point() -> None:
@@ -250,13 +245,14 @@ def test_dataset_rule_of_invariant_7() -> None:
 )
 def test_calibration_round_trips(method: str, params: dict) -> None:
     q, steps, target = 0.02, 300, 3.0
-    sigma = calibrate_noise(q, steps, target, DELTA, method, **params)
+    charged = () if method == "single" else (method,)  # the default: one trial
+    sigma = calibrate_noise(q, steps, target, DELTA, *charged, **params)
     if method == "single":
         eps = dpsgd_epsilon(q, sigma, steps, DELTA)
     else:
         eps = tuning_epsilon(q, sigma, steps, DELTA, method, **params)
     assert target * (1 - 1e-3) <= eps <= target
-    assert calibrate_noise(q, steps, target / 2, DELTA, method, **params) > sigma
+    assert calibrate_noise(q, steps, target / 2, DELTA, *charged, **params) > sigma
 
 
 def test_calibration_counts_extra_mechanisms() -> None:

@@ -149,14 +149,14 @@ def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
     curve = rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
     if accounting == "ps":  # the bound, whatever K; the cap's TV t = 0.5^cap (geometric, mean
         # 2) costs (1 + e^ε)·t of δ at the dataset's ε, bounded by its budget ε = 10
-        tail = 0.5 ** plan["params"]["max_trials"]
+        tail = 0.5 ** plan["method"]["max_trials"]
         spent = epsilon_from_rdp(tuning_rdp(curve, 2, 1), plan["delta"] - (1 + math.e**10) * tail)
         assert budget["spent"] == pytest.approx(spent[0], rel=1e-9)
         assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-3)
     else:
         assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
     if accounting == "lt":  # ε = 3ε₁ + 3√(2δ₁), ε₁ from the trial's curve
-        delta1 = ((plan["delta"] - plan["params"]["delta2"]) /
+        delta1 = ((plan["delta"] - plan["method"]["delta2"]) /
                   (3 * plan["trials"]["max"])) ** 2 / 2
         eps1 = epsilon_from_rdp(curve, delta1)[0]
         assert plan["epsilon"] == pytest.approx(3 * eps1 + 3 * (2 * delta1) ** 0.5)

@@ -65,7 +65,7 @@ def test_defaults_fit_in_any_order(api, spec, order: tuple[str, ...]) -> None:
         assert set(plan["defaults"]) == DEFAULTED[accounting]
         if accounting == "lt":  # a tenth of what basic composition does not hold yet
             assert plan["delta"] == pytest.approx((DELTA - held) / 10, rel=1e-12)
-            assert plan["params"]["delta2"] == pytest.approx(plan["delta"] / 2, rel=1e-12)
+            assert plan["method"]["delta2"] == pytest.approx(plan["delta"] / 2, rel=1e-12)
         else:
             assert plan["delta"] == DELTA
         assert 0 < api.budget(dataset)["remaining"] < BUDGET
@@ -92,7 +92,7 @@ def poisson_tail(cap: int) -> float:
 def test_default_cap_and_its_charge(api, spec, eta: Any, tail: Callable[[int], float]) -> None:
     dataset = api.register(epsilon=BUDGET, delta=DELTA)["id"]
     plan = submit(api, spec, dataset, "ps", eta=eta)
-    cap = plan["params"]["max_trials"]
+    cap = plan["method"]["max_trials"]
     assert plan["trials"]["max"] == cap
 
     def cost(k: int) -> float:

@@ -112,7 +112,7 @@ def test_random_stopping_plans(client, dataset, ana, spec, privacy):
     assert plan["trials"]["max"] >= plan["trials"]["mean"]
     if privacy["accounting"] == "lt":
         gamma = 1 / 4
-        assert plan["trials"]["max"] == math.ceil(math.log(1 / plan["params"]["delta2"]) / gamma)
+        assert plan["trials"]["max"] == math.ceil(math.log(1 / plan["method"]["delta2"]) / gamma)
 
 
 def test_dcsgd_plan_reports_gradient_noise(client, dataset, ana, spec):

@@ -1,4 +1,5 @@
-"""Which trials a tuning job runs: the candidates and, under random stopping, how many.
+"""Which trials a tuning job runs: the candidates (how many, under random stopping, the job's
+tuning method draws: ``service.accounting.methods``).
 
 - ``rdp`` (fixed K): every point of the grid product, each paired with ``trials`` random draws
   of the random dimensions. Every trial is charged, so any search is allowed.
@@ -19,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from service.accounting.tuning import tnb_gamma
 from workers.dp.randomness import SecureStream
 
 Candidate = dict[str, Any]
@@ -54,36 +54,3 @@ def random_candidate(search_space: dict[str, dict[str, Any]],
     """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
     rng = rng or SecureStream().numpy
     return {path: _draw(dimension, rng) for path, dimension in search_space.items()}
-
-
-def draw_trial_count(accounting: str, params: dict[str, Any],
-                     rng: np.random.Generator | None = None) -> int:
-    """K for a random-stopping job, capped at the plan's maximum.
-
-    ``lt``: run, then stop with probability γ: K ~ Geometric(γ) on {1, 2, …}, capped at
-    T = ⌈ln(1/δ₂)/γ⌉ (paper 001, Theorem 1 — the cap is part of that bound).
-    ``ps``: Papernot–Steinke Def. 1: truncated negative binomial D_{η,γ} (η = 1 geometric,
-    η = 0 logarithmic, else a negative binomial conditioned on K ≥ 1) or Poisson(μ) (K = 0
-    possible); capped at ``max_trials``, whose tail probability the plan charged to δ.
-    """
-    rng = rng or SecureStream().numpy
-    if accounting == "lt":
-        gamma = params["gamma"]
-        cap = math.ceil(math.log(1 / params["delta2"]) / gamma)
-        return min(int(rng.geometric(gamma)), cap)
-    if accounting != "ps":
-        raise ValueError(f"accounting: K is fixed under {accounting!r}")
-    mean, eta, cap = params["mean"], params["eta"], params["max_trials"]
-    if eta is None:
-        k = int(rng.poisson(mean))
-    else:
-        gamma = tnb_gamma(mean, eta)
-        if eta == 0:
-            k = int(rng.logseries(1 - gamma))
-        elif eta == 1:
-            k = int(rng.geometric(gamma))
-        else:
-            k = 0
-            while k == 0:
-                k = int(rng.negative_binomial(eta, gamma))
-    return min(k, cap)

@@ -1,4 +1,4 @@
-"""Candidates and random trial counts of the job driver."""
+"""Candidates of the job driver, and the random trial counts its tuning methods draw."""
 
 import math
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from runner.search import candidates, random_candidate
+from service.accounting import Rdp, tuning_method
 from service.accounting.tuning import tnb_gamma
-from workers.search import candidates, draw_trial_count, random_candidate
 
 
 def test_grid_times_random_draws() -> None:
@@ -31,9 +32,10 @@ def test_log_uniform_is_uniform_in_log() -> None:
     assert stats.kstest(logs, stats.uniform(loc=-3, scale=3).cdf).pvalue > 1e-3
 
 
-def empirical(accounting: str, params: dict, n: int = 20000) -> np.ndarray:
+def empirical(kind: str, params: dict, n: int = 20000) -> np.ndarray:
     rng = np.random.default_rng(7)
-    return np.array([draw_trial_count(accounting, params, rng) for _ in range(n)])
+    method = tuning_method(kind, **params)
+    return np.array([method.draw_trials(rng) for _ in range(n)])
 
 
 def test_liu_talwar_count_is_geometric_and_capped() -> None:
@@ -61,8 +63,7 @@ def test_cap_applies() -> None:
 
 
 def test_fixed_accounting_has_no_random_count() -> None:
-    with pytest.raises(ValueError, match="accounting"):
-        draw_trial_count("rdp", {"trials": 3})
+    assert not hasattr(Rdp(trials=3), "draw_trials") and not Rdp.random_stopping
 
 
 def test_random_stopping_candidates_come_from_os_entropy() -> None:

@@ -1,0 +1,54 @@
+"""What the ledger composes: charges in its two currencies, and a dataset's spent ε.
+
+A *trial* is T steps of DP-SGD (q, σ) plus, optionally, other mechanisms on the same data
+whose RDP is passed as ``extra_rdp`` (e.g. a private validation score, docs/design.md
+invariant 5); a job's charge comes from its tuning method (:mod:`service.accounting.methods`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.accounting import checks
+from service.accounting.rdp import compose, epsilon_from_rdp, rdp_curve
+
+
+def trial_rdp(
+    sample_rate: float, noise_multiplier: float, steps: int, extra_rdp: np.ndarray | None = None
+) -> np.ndarray:
+    """RDP curve of one trial: its DP-SGD steps composed with ``extra_rdp``."""
+    curve = rdp_curve(sample_rate, noise_multiplier, steps)
+    return curve if extra_rdp is None else compose(curve, extra_rdp)
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What a job costs, in the ledger's two currencies (DESIGN.md invariant 7): an RDP curve
+    and/or an (ε, δ) pair composed basically."""
+
+    rdp: np.ndarray | None = None
+    eps_delta: tuple[float, float] | None = field(default=None)
+
+
+def dataset_epsilon(
+    rdp_curves: list[np.ndarray],
+    eps_delta_charges: list[tuple[float, float]],
+    delta: float,
+) -> float:
+    """Spent ε of a dataset from all its ledger charges (DESIGN.md invariant 7).
+
+    RDP curves add (composition), and the sum is converted at what is left of the dataset's δ
+    once the (ε, δ) charges' δs are subtracted; those charges' εs then add by basic
+    composition (Dwork–Roth Thm. 3.16). Returns ``inf`` when the δs alone exceed the budget.
+    """
+    d = checks.probability("delta", delta)
+    eps = sum(e for e, _ in eps_delta_charges)
+    d_left = d - sum(dd for _, dd in eps_delta_charges)
+    if not rdp_curves:
+        return float(eps) if d_left >= 0 else math.inf
+    if d_left <= 0:
+        return math.inf
+    return epsilon_from_rdp(compose(*rdp_curves), d_left)[0] + eps
