@@ -2,7 +2,7 @@
 
 import typer
 
-from service.cli import account, demo, serve
+from service.cli import account, audit, demo, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -16,3 +16,4 @@ def main() -> None:
 app.command()(account.account)
 app.command()(serve.serve)
 app.command()(demo.demo)
+app.command()(audit.audit)

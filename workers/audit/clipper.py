@@ -1,0 +1,78 @@
+"""White-box canaries enter the engine through its clipper seam.
+
+:class:`CanaryClipper` wraps the clipper a trial uses (``clipped_grad_sum(model, loss_fn, inputs,
+targets, groups, coef_fn) -> (norms, sums)``). The audited data set holds one placeholder row per
+included canary whose target is −1 − (canary id) — never a label, since every label is ≥ 0
+(``workers.data.check``) — so canaries are Poisson-sampled with the real examples, by the same
+draw, and may land in any micro-batch. For each such row the wrapper adds the canary's gradient
+C·u_i, clipped by the engine's own clip function ``coef_fn``, to the clipped sum, and reports its
+per-group norms with the real examples' norms (adaptive threshold rules see canaries as the
+examples they stand for). Real rows go to the wrapped clipper unchanged.
+
+It also keeps the step's clipped sum of the *real* examples, for the white-box score
+(``workers.audit.scores``): an adversary who knows every other record and which of them were
+sampled — within DP's threat model, since their sampling is independent of the canaries — can
+subtract their contribution from the released noisy gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from workers.audit.canaries import GradientCanaries
+from workers.dp import Clipper
+from workers.dp.clipping import CoefFn, group_thresholds
+from workers.dp.grads import LossFn
+
+
+class CanaryClipper:
+    """``inner`` plus the gradient canaries of the rows with a negative target."""
+
+    def __init__(self, inner: Clipper, canaries: GradientCanaries, params: dict[str, Tensor],
+                 threshold: Callable[[], float]) -> None:
+        self.inner, self.canaries, self.threshold = inner, canaries, threshold
+        self.shapes = {name: p.shape for name, p in params.items()}
+        self.real_sum = torch.zeros(len(canaries.column_groups),
+                                    device=canaries.directions.device)
+
+    def __call__(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+                 groups: list[list[str]], coef_fn: CoefFn) -> tuple[Tensor, dict[str, Tensor]]:
+        is_canary = targets < 0
+        norms, sums = self._real(model, loss_fn, inputs[~is_canary], targets[~is_canary],
+                                 groups, coef_fn)
+        self.real_sum += self._flat(sums)
+        ids = -1 - targets[is_canary]
+        if len(ids) == 0:
+            return norms, sums
+        threshold = self.threshold()
+        factors = self.canaries.clipped_factors(coef_fn, threshold)
+        added = self._unflat(self.canaries.contributions(ids, factors, threshold))
+        canary_norms = torch.full((len(ids), len(groups)),
+                                  group_thresholds(threshold, len(groups)), dtype=torch.float64)
+        return (torch.cat([norms, canary_norms.to(norms.device)]),
+                {name: s + added[name] for name, s in sums.items()})
+
+    def take_real_sum(self) -> Tensor:
+        """The real examples' clipped sum since the last call, flattened [P]; resets it."""
+        taken, self.real_sum = self.real_sum, torch.zeros_like(self.real_sum)
+        return taken
+
+    def _real(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
+              groups: list[list[str]], coef_fn: CoefFn) -> tuple[Tensor, dict[str, Tensor]]:
+        if len(targets):
+            norms, sums = self.inner(model, loss_fn, inputs, targets, groups, coef_fn)
+            return norms, {name: s.detach() for name, s in sums.items()}
+        device = self.real_sum.device
+        return (torch.zeros(0, len(groups), dtype=torch.float64, device=device),
+                {name: torch.zeros(shape, device=device) for name, shape in self.shapes.items()})
+
+    def _flat(self, sums: dict[str, Tensor]) -> Tensor:
+        return torch.cat([sums[name].flatten() for name in self.shapes]).to(self.real_sum)
+
+    def _unflat(self, flat: Tensor) -> dict[str, Tensor]:
+        sizes = [shape.numel() for shape in self.shapes.values()]
+        return {name: chunk.view(shape) for (name, shape), chunk
+                in zip(self.shapes.items(), flat.split(sizes), strict=True)}
