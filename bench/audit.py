@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from core.config import TrialConfig
 from workers.audit import AuditResult, CanaryKind, run_audit
-from workers.config import TrialConfig
 
 KINDS: tuple[CanaryKind, ...] = ("white", "black")
 BROKEN = (1.0, 0.1)  # claimed ε, noise scale of the fault-injected rows

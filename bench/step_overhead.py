@@ -95,7 +95,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     import torch
     from torch import nn
 
-    from workers.config import ModelConfig
+    from core.config import ModelConfig
     from workers.dp.clipping import coefficient_fn, resolve_groups
     from workers.models import build_model
 
@@ -223,7 +223,7 @@ def run_one(model_name: str, batch: int, method: str, device: str, steps: int, s
 def _param_count(model_name: str) -> int:
     import torch
 
-    from workers.config import ModelConfig
+    from core.config import ModelConfig
     from workers.models import build_model
 
     shape, classes, options = MODELS[model_name]

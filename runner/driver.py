@@ -16,12 +16,12 @@ import sys
 import ray
 from ray import tune
 
+from core.accounting import tuning_method
+from core.config import DatasetConfig
 from runner.client import ControlPlane
 from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
 from runner.trainable import AttemptRecorder, JobContext, run_candidate
-from service.accounting import tuning_method
-from workers.config import DatasetConfig
 from workers.dp.randomness import SecureStream
 
 log = logging.getLogger("dptune.job")

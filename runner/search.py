@@ -1,5 +1,5 @@
 """Which trials a tuning job runs: the candidates (how many, under random stopping, the job's
-tuning method draws: ``service.accounting.methods``).
+tuning method draws: ``core.accounting.methods``).
 
 - ``rdp`` (fixed K): every point of the grid product, each paired with ``trials`` random draws
   of the random dimensions. Every trial is charged, so any search is allowed.

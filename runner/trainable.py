@@ -19,10 +19,10 @@ import torch
 from ray import tune
 from safetensors.torch import save_file
 
+from core.config import DatasetConfig, TrialConfig
+from core.spec import JobSpec
 from runner.client import AttemptRefused, ControlPlane
 from runner.search import Candidate, random_candidate
-from service.spec import JobSpec
-from workers.config import DatasetConfig, TrialConfig
 from workers.trial import run_trial
 
 log = logging.getLogger("dptune.trial")

@@ -11,7 +11,7 @@ Rows are append-only and each has a unique reference. Kinds:
 A job's outstanding reservation is max(0, reserved − charged − released), order by order
 (per RDP order, and for ε and δ); while a job is open its commitment is therefore
 max(reserved, charged), and once settled it is exactly its charges. A dataset's committed ε is
-recomputed from all rows with ``service.accounting.dataset_epsilon``; admission refuses a job
+recomputed from all rows with ``core.accounting.dataset_epsilon``; admission refuses a job
 whose reservation would take it above the dataset's ε.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import accounting
+from core import accounting
 from service.db import Dataset, Job, LedgerEntry
 
 _N = len(accounting.ORDERS)

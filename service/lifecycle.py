@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.spec import JobSpec
 from service import ledger
 from service.auth import Principal, digest
 from service.db import Dataset, Job, begin_write, locked_dataset
 from service.orchestration import JobState, Orchestrator, Submission
 from service.planning import PlannedJob
-from service.spec import JobSpec
 
 
 class BudgetExceeded(Exception):

@@ -1,7 +1,7 @@
 """Privacy plan of a tuning job: the noise each trial runs with and what the job costs.
 
 Every trial of a job runs the same (q, σ, T), so one RDP curve describes each trial and the
-job's cost follows from the accounting method (``service.accounting.job_charge``). σ is
+job's cost follows from the accounting method (``core.accounting.job_charge``). σ is
 calibrated so that the job's ε at its δ lands at or just below the analyst's target — counting
 every reserved retry, so the target holds even if all of them are used.
 
@@ -20,9 +20,12 @@ from typing import Literal
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from service import accounting, ledger
+from core import accounting
+from core.noise import gradient_noise
+from core.sampling import num_steps
+from core.spec import MAX_TRIALS, JobSpec, Privacy
+from service import ledger
 from service.db import Dataset
-from service.spec import MAX_TRIALS, JobSpec, Privacy
 
 MAX_STEPS = 1_000_000  # DP-SGD steps of one trial
 #: an lt job's default δ: this share of the dataset's δ not yet held by (ε, δ) charges
@@ -75,8 +78,6 @@ class PlannedJob:
 def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     """Plan ``spec`` on ``dataset``. ``session`` reads the dataset's ledger: an lt job's default
     δ is a share of the δ that (ε, δ) charges do not hold yet."""
-    from workers.dp.sampling import num_steps  # torch-heavy: loaded on first plan only
-
     privacy = spec.privacy
     delta, defaults = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
@@ -154,7 +155,7 @@ def _job_delta(
 def _tuning_method(
     spec: JobSpec, dataset: Dataset, delta: float
 ) -> tuple[accounting.TuningMethod, dict[str, str]]:
-    """The spec's ``privacy`` as a tuning method (:mod:`service.accounting.methods`), with its
+    """The spec's ``privacy`` as a tuning method (:mod:`core.accounting.methods`), with its
     defaults filled in, and why each default was chosen. The one place the spec's kinds become
     values."""
     privacy = spec.privacy
@@ -239,8 +240,6 @@ def _default_cap(mean: float, eta: float | None, delta: float, epsilon: float) -
 
 def _gradient_noise(spec: JobSpec, sigma: float) -> float:
     """σ_T of the gradient when part of σ pays for a noisy statistic of the norms."""
-    from workers.dp.adaptive import gradient_noise  # torch-heavy, like num_steps
-
     try:
         return gradient_noise(spec.method, spec.batch_size, sigma)
     except ValueError as error:

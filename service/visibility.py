@@ -27,7 +27,8 @@ from typing import Any, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session, object_session
 
-from service import accounting, ledger
+from core import accounting
+from service import ledger
 from service.auth import Principal
 from service.db import Dataset, Job, LedgerEntry, Trial, TrialAttempt
 from service.orchestration import JobState

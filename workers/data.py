@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workers.config import DatasetConfig
+from core.config import DatasetConfig
 from workers.dp.randomness import SecureStream
 
 Options = dict[str, float | int | str | bool]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.config import ModelConfig
+from core.config import ModelConfig
 
 Shape = tuple[int, ...]
 Options = dict[str, float | int | str | bool]

@@ -1,4 +1,4 @@
-"""Train one model with DP from a :class:`~workers.config.TrialConfig`.
+"""Train one model with DP from a :class:`~core.config.TrialConfig`.
 
 ``python -m workers.trial --config trial.json --out result.json`` runs one trial with a progress
 bar; :func:`run_trial` is the same thing for the Ray trainable. The result holds the privacy
@@ -23,19 +23,21 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from service.accounting import (
+from core.accounting import (
     calibrate_noise,
     epsilon_from_rdp,
     gaussian_rdp,
     trial_rdp,
 )
-from workers.config import TrialConfig
+from core.config import TrialConfig
+from core.noise import gradient_noise, release_noise
+from core.sampling import num_steps, sample_rate
 from workers.data import Dataset, hold_out, load_dataset
 from workers.dp import PrivateStep, get_clipper, resolve_groups
-from workers.dp.adaptive import build_rule, gradient_noise, release_noise
+from workers.dp.adaptive import build_rule
 from workers.dp.optim import build_optimizer
 from workers.dp.randomness import SecureStream, TrialRandomness
-from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
+from workers.dp.sampling import micro_batches, poisson_batches
 from workers.metrics import evaluate, group_accuracy, noisy_accuracy
 from workers.models import build_model
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
+from core.spec import Scalar
 from service import ledger, visibility
 from service.api.deps import Caller, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import field_error
 from service.db import Dataset
-from service.spec import Scalar
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 

@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
+from core.spec import JobSpec
 from service import lifecycle, visibility
 from service.api.deps import (
     Caller,
@@ -26,7 +27,6 @@ from service.api.errors import field_error
 from service.auth import Principal
 from service.db import Job
 from service.planning import plan_job
-from service.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from core.spec import JobSpec
 from service import ledger
 from service.api.deps import Caller, SessionDep, visible_dataset
 from service.planning import Plan, plan_job
-from service.spec import JobSpec
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 

@@ -22,14 +22,14 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
+from core.config import DatasetConfig
+from core.spec import JobSpec
 from service import attempts, lifecycle
 from service.api.deps import SessionDep, SettingsDep
 from service.api.errors import field_error
 from service.auth import digest
 from service.db import Dataset, Job, Trial, TrialAttempt
 from service.orchestration import JobState
-from service.spec import JobSpec
-from workers.config import DatasetConfig
 
 router = APIRouter(prefix="/internal/v1/jobs/{job_id}", tags=["runner (internal)"])
 #: request paths of model uploads, which may be larger than other bodies
@@ -65,7 +65,7 @@ class Strict(BaseModel):
 
 class JobContextOut(BaseModel):
     """What the runner needs: the admitted spec and plan, and the dataset's trial contract
-    (``workers.config.DatasetConfig``: source, options, declared label set, content hash)."""
+    (``core.config.DatasetConfig``: source, options, declared label set, content hash)."""
 
     job_id: int
     accounting: str

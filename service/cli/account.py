@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from service import accounting
-from workers.dp.sampling import num_steps
+from core import accounting
+from core.sampling import num_steps
 
 
 class Method(StrEnum):

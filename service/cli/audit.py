@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from core.config import TrialConfig
 from workers.audit import AuditResult, run_audit
-from workers.config import TrialConfig
 from workers.trial import _error_message
 
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from service.accounting import gaussian_rdp, tuning_epsilon
+from core.accounting import gaussian_rdp, tuning_epsilon
 from service.api import create_app
 from service.api.server import BackgroundServer, free_port
 from service.cluster import ray_orchestrator

@@ -162,7 +162,7 @@ class TrialAttempt(Base):
 
 class LedgerEntry(Base):
     """Append-only budget ledger (DESIGN.md invariant 7). A row carries an RDP curve over
-    ``service.accounting.ORDERS``, an (ε, δ) pair, or both (a Papernot–Steinke job with a cap
+    ``core.accounting.ORDERS``, an (ε, δ) pair, or both (a Papernot–Steinke job with a cap
     on K: its curve plus the cap's tail probability as (0, δ))."""
 
     __tablename__ = "ledger_entry"

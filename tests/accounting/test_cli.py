@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from service.accounting import dpsgd_epsilon, liu_talwar, rdp_curve
+from core.accounting import dpsgd_epsilon, liu_talwar, rdp_curve
 from service.cli import app
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import integrate
 from scipy.stats import norm
 
-from service.accounting import (
+from core.accounting import (
     ORDERS,
     compose,
     dpsgd_epsilon,

@@ -10,7 +10,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize
 from scipy.stats import norm, poisson
 
-from service.accounting import (
+from core.accounting import (
     ORDERS,
     PapernotSteinke,
     calibrate_noise,

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
+from core.config import TrialConfig
 from service.cli import app
 from workers.audit import run_audit
 from workers.audit.canaries import GradientCanaries
 from workers.audit.clipper import CanaryClipper
-from workers.config import TrialConfig
 from workers.data import load_dataset
 from workers.dp import clipped_grad_sum, coefficient_fn
 from workers.dp.randomness import SecureStream

@@ -1,4 +1,4 @@
-"""The one-run bound (service.accounting.audit) against an independent computation.
+"""The one-run bound (core.accounting.audit) against an independent computation.
 
 The reference below is written from the statement of Steinke, Nasr, Jagielski (2023),
 Theorem 5.2, with exact binomial terms (math.comb, math.fsum, no scipy) and a brute-force grid
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from service.accounting.audit import correct_guesses, epsilon_lower_bound, p_value
+from core.accounting.audit import correct_guesses, epsilon_lower_bound, p_value
 
 GRID_STEP = 0.005
 

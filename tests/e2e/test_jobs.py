@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service.accounting import (
+from core.accounting import (
     epsilon_from_rdp,
     gaussian_rdp,
     rdp_curve,
     tuning_epsilon,
     tuning_rdp,
 )
+from core.config import DatasetConfig, ModelConfig
 from service.api import create_app
 from service.orchestration import JobState
-from workers.config import DatasetConfig, ModelConfig
 from workers.data import load_dataset
 from workers.metrics import evaluate
 from workers.models import build_model

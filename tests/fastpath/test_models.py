@@ -16,7 +16,7 @@ from workers.dp.ghost import FallbackWarning, clipped_grad_sum
 
 models = pytest.importorskip("workers.models")
 grads = pytest.importorskip("workers.dp.grads")
-config = pytest.importorskip("workers.config")
+config = pytest.importorskip("core.config")
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 CASES = {  # name: (options, input shape, batch)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from core.accounting import Rdp, tuning_method
+from core.accounting.tuning import tnb_gamma
 from runner.search import candidates, random_candidate
-from service.accounting import Rdp, tuning_method
-from service.accounting.tuning import tnb_gamma
 
 
 def test_grid_times_random_draws() -> None:

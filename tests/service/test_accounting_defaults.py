@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from scipy.stats import poisson
 
-from service.accounting import epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_rdp
+from core.accounting import epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_rdp
 
 BUDGET, DELTA = 20.0, 1e-5  # the dataset's lifetime budget
 JOB_EPSILON = 2.0

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session
 
+from core.config import DatasetConfig, TrialConfig
 from service.db import Dataset, create_db_engine
-from workers.config import DatasetConfig, TrialConfig
 from workers.trial import run_trial
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-from workers.dp.sampling import num_steps
+from core.sampling import num_steps
 
 
 def opacus_epsilon(q: float, sigma: float, steps: int, delta: float, validation: float,

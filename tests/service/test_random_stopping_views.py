@@ -20,7 +20,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service import accounting, ledger, lifecycle, visibility
+from core import accounting
+from service import ledger, lifecycle, visibility
 from service.api import create_app
 from service.attempts import finish_attempt, record_progress, release_model, start_attempt
 from service.db import Job

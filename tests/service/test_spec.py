@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.spec import JobSpec
-from workers.config import DatasetConfig
+from core.config import DatasetConfig
+from core.spec import JobSpec
 
 
 def test_trial_config_applies_candidate_and_planned_noise(spec):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.config import AdaptiveConfig, MethodConfig
+from core.config import AdaptiveConfig, MethodConfig
+from core.noise import release_noise
 from workers.dp.adaptive import (
     DecayRule,
     QuantileRule,
@@ -15,7 +16,6 @@ from workers.dp.adaptive import (
     error_threshold,
     noisy_histogram,
     percentile_threshold,
-    release_noise,
 )
 from workers.dp.randomness import SecureStream
 

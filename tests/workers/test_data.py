@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.config import DatasetConfig
+from core.config import DatasetConfig
 from workers.data import describe, hold_out, load_dataset
 from workers.dp.randomness import SecureStream
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from workers.config import ModelConfig
+from core.config import ModelConfig
+from core.sampling import num_steps, sample_rate
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
 from workers.dp.randomness import SecureStream
-from workers.dp.sampling import micro_batches, num_steps, poisson_batches, sample_rate
+from workers.dp.sampling import micro_batches, poisson_batches
 from workers.models import build_model
 
 LOSS = nn.CrossEntropyLoss(reduction="none")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.config import ModelConfig
+from core.config import ModelConfig
 from workers.dp import clipped_grad_sum, per_sample_grad_norms, resolve_groups
 from workers.dp.clipping import coefficient_fn
 from workers.models import build_model

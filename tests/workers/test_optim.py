@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.config import OptimizerConfig
+from core.config import OptimizerConfig
 from workers.dp.optim import AdamBC, build_optimizer
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from scipy import stats
 
-from workers.config import TrialConfig
+from core.config import TrialConfig
 from workers.data import Dataset, hold_out
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import poisson_batches

@@ -7,7 +7,7 @@ import pytest
 from randomgen import AESCounter
 
 import workers.trial
-from workers.config import TrialConfig
+from core.config import TrialConfig
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.trial import main, run_trial
 

@@ -4,7 +4,7 @@
 privacy plan (``plan_privacy``), model, clipper, threshold rule, optimizer, Poisson sampling and
 secure noise streams (``workers.trial._engine``) — on the real training data plus the included
 canaries, then scores every canary, guesses, and computes the lower bound of
-``service.accounting.audit``.
+``core.accounting.audit``.
 
 Canaries count toward N. q = B/N and T are planned for N = (real examples) + m, as if all m
 canaries were in; the excluded half is never sampled (rate 0 ≤ q), like a trial's private
@@ -24,12 +24,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from service.accounting.audit import correct_guesses, epsilon_lower_bound
+from core.accounting.audit import correct_guesses, epsilon_lower_bound
+from core.config import TrialConfig
 from workers.audit.canaries import GradientCanaries, coin_flips, input_canaries
 from workers.audit.clipper import CanaryClipper
 from workers.audit.noise import ScaledNoise
 from workers.audit.scores import LikelihoodRatio, canary_losses
-from workers.config import TrialConfig
 from workers.data import Dataset, load_dataset
 from workers.dp import PrivateStep
 from workers.dp.randomness import SecureStream, TrialRandomness

@@ -1,7 +1,7 @@
 """The DP training engine: sampling, per-sample gradients, clipping, noise, threshold rules,
 optimizers. ``per_sample_grad_norms`` is the public per-sample seam (general path)."""
 
-from workers.config import PerSamplePath
+from core.config import PerSamplePath
 from workers.dp.clipping import coefficient_fn, resolve_groups
 from workers.dp.engine import Clipper, PrivateStep, StepReport
 from workers.dp.grads import clipped_grad_sum, per_sample_grad_norms, per_sample_grads

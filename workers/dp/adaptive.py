@@ -18,8 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from service.accounting import split_noise
-from workers.config import MethodConfig
+from core.config import MethodConfig
 from workers.dp.randomness import SecureStream
 
 #: Safeguard on Algorithm 4's "repeat while the minimiser is a boundary candidate" loop (the
@@ -168,30 +167,6 @@ class DecayRule(ThresholdRule):
 
     def update(self, norms: Tensor, step: int) -> None:
         self.threshold = self.initial * self.decay ** ((step + 1) / self.total_steps)
-
-
-def release_noise(method: MethodConfig, expected_batch_size: int) -> float | None:
-    """Noise multiplier of the rule's per-step release (None: nothing released)."""
-    adaptive = method.adaptive
-    if adaptive is None or adaptive.rule == "du":
-        return None
-    if adaptive.rule == "andrew":
-        return 2 * (adaptive.count_noise or expected_batch_size / 20)
-    return adaptive.histogram_noise
-
-
-def gradient_noise(method: MethodConfig, expected_batch_size: int, sigma: float) -> float:
-    """σ_T left for the gradient once the rule's release takes its share of σ (paper 001,
-    Theorem 2); errors name the config field that sets the release's noise."""
-    release = release_noise(method, expected_batch_size)
-    if release is None:
-        return sigma
-    field = ("method.adaptive.count_noise" if method.adaptive.rule == "andrew"  # type: ignore[union-attr]
-             else "method.adaptive.histogram_noise")
-    try:
-        return split_noise(sigma, release)
-    except ValueError as err:
-        raise ValueError(f"{field}: {err}") from err
 
 
 def build_rule(method: MethodConfig, *, expected_batch_size: int, steps: int, grad_noise: float,

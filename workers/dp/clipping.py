@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from workers.config import ClippingFunction
+from core.config import ClippingFunction
 
 GroupSpec = str | Sequence[Sequence[str]] | None
 CoefFn = Callable[[Tensor], Tensor]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from workers.config import ClippingFunction
+from core.config import ClippingFunction
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn

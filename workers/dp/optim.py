@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from workers.config import OptimizerConfig
+from core.config import OptimizerConfig
 
 
 class AdamBC(torch.optim.Optimizer):

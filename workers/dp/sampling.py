@@ -18,19 +18,6 @@ from torch import Tensor
 from workers.dp.randomness import SecureStream
 
 
-def sample_rate(expected_batch_size: int, num_examples: int) -> float:
-    if expected_batch_size > num_examples:
-        raise ValueError(f"batch_size: expected batch size {expected_batch_size} exceeds the "
-                         f"{num_examples} training examples")
-    return expected_batch_size / num_examples
-
-
-def num_steps(num_examples: int, expected_batch_size: int, epochs: float) -> int:
-    """T = epochs·N/B = epochs/q logical steps (at least one). The service's planner calls this
-    with the registered N, so planned and trained step counts agree."""
-    return max(1, round(epochs * num_examples / expected_batch_size))
-
-
 def poisson_batches(
     num_examples: int, rate: float, steps: int, stream: SecureStream
 ) -> Iterator[Tensor]:

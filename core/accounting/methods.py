@@ -27,10 +27,10 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from service.accounting import checks
-from service.accounting.charges import Charge, trial_rdp
-from service.accounting.rdp import epsilon_from_rdp, gaussian_rdp
-from service.accounting.tuning import (
+from core.accounting import checks
+from core.accounting.charges import Charge, trial_rdp
+from core.accounting.rdp import epsilon_from_rdp, gaussian_rdp
+from core.accounting.tuning import (
     LiuTalwarBound,
     cap_delta,
     liu_talwar,
@@ -121,7 +121,7 @@ class PapernotSteinke(_Method):
     2022): K ~ truncated negative binomial D_{η,γ} with the given mean (η = 1 geometric, η = 0
     logarithmic; Definition 1) or Poisson(mean) (``eta`` None, K = 0 possible), only the best
     output released. ``max_trials`` caps K; the cap costs (1 + e^ε)·P[K > cap] of δ
-    (:func:`~service.accounting.tuning.cap_delta`). None: uncapped (for comparisons only)."""
+    (:func:`~core.accounting.tuning.cap_delta`). None: uncapped (for comparisons only)."""
 
     kind: Literal["ps"] = "ps"
     mean: float = Field(ge=1)

@@ -21,7 +21,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from service.accounting import checks
+from core.accounting import checks
 
 ORDERS: np.ndarray = np.array(rdp_lib.DEFAULT_RDP_ORDERS, dtype=np.float64)
 ORDERS.setflags(write=False)
@@ -40,7 +40,7 @@ logging.getLogger("absl").addFilter(_QuietNonConvergence())
 
 
 def _accountant_curve(event: dp_event.DpEvent) -> np.ndarray:
-    return rdp_lib.RdpAccountant(orders=ORDERS).compose(event).rdp
+    return np.asarray(rdp_lib.RdpAccountant(orders=ORDERS).compose(event).rdp, dtype=np.float64)
 
 
 def rdp_curve(sample_rate: float, noise_multiplier: float, steps: int) -> np.ndarray:
@@ -59,7 +59,7 @@ def rdp_curve(sample_rate: float, noise_multiplier: float, steps: int) -> np.nda
     sigma = checks.positive("noise_multiplier", noise_multiplier)
     t = checks.count("steps", steps)
     step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
-    return t * np.minimum(_accountant_curve(step), gaussian_rdp(sigma))
+    return np.asarray(t * np.minimum(_accountant_curve(step), gaussian_rdp(sigma)))
 
 
 def gaussian_rdp(noise_multiplier: float) -> np.ndarray:

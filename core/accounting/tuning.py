@@ -17,8 +17,8 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
-from service.accounting import checks
-from service.accounting.rdp import ORDERS, epsilon_from_rdp
+from core.accounting import checks
+from core.accounting.rdp import ORDERS, epsilon_from_rdp
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def tnb_gamma(mean: float, eta: float) -> float:
     """γ of the truncated negative binomial D_{η,γ} with the given mean (Papernot–Steinke
     Def. 1; γ = 1/mean for the geometric η = 1). Bisection by dp-accounting, which returns the
     conservative (smaller-γ, heavier-tailed) end."""
-    return rdp_lib._gamma_truncated_negative_binomial(eta, mean)
+    return float(rdp_lib._gamma_truncated_negative_binomial(eta, mean))
 
 
 def trials_tail(mean: float, eta: float | None, max_trials: int) -> float:

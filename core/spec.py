@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from workers.config import (
+from core.config import (
     DatasetConfig,
     MethodConfig,
     ModelConfig,
@@ -38,7 +38,7 @@ MAX_DIMENSIONS = 8
 #: what a search space may vary, and the spec part each path lives in. Batch size, epochs and
 #: the noise are fixed per job: every trial must share (q, σ, steps) so that one RDP curve
 #: describes them all.
-SEARCHABLE = {
+SEARCHABLE: dict[str, type[BaseModel]] = {
     "optimizer.lr": OptimizerConfig,
     "optimizer.momentum": OptimizerConfig,
     "optimizer.weight_decay": OptimizerConfig,
@@ -120,7 +120,7 @@ class Privacy(Strict):
     - ``ps``: Papernot–Steinke: K ~ truncated negative binomial with ``mean`` and ``eta``
       (η = 1 geometric, η = 0 logarithmic) or ``eta: "poisson"``; ``max_trials`` caps K
       (default: the smallest cap whose cost in δ, (1 + e^ε)·P[K > cap], is at most δ/100;
-      see :func:`service.accounting.cap_delta`).
+      see :func:`core.accounting.cap_delta`).
 
     ``hold_release`` (``lt``, ``ps``): the analyst sees the job ``running``, with no model,
     until as long after its start as the cap on trials would take at the pace of its first

@@ -4,9 +4,9 @@ Pure functions, no state: the ledger (``service/``) stores charges and recompute
 :func:`dataset_epsilon`.
 """
 
-from service.accounting.calibration import calibrate_noise
-from service.accounting.charges import Charge, dataset_epsilon, trial_rdp
-from service.accounting.methods import (
+from core.accounting.calibration import calibrate_noise
+from core.accounting.charges import Charge, dataset_epsilon, trial_rdp
+from core.accounting.methods import (
     RANDOM_STOPPING,
     SINGLE,
     LiuTalwar,
@@ -17,7 +17,7 @@ from service.accounting.methods import (
     tuning_epsilon,
     tuning_method,
 )
-from service.accounting.rdp import (
+from core.accounting.rdp import (
     ORDERS,
     compose,
     dpsgd_epsilon,
@@ -26,7 +26,7 @@ from service.accounting.rdp import (
     rdp_curve,
     split_noise,
 )
-from service.accounting.tuning import (
+from core.accounting.tuning import (
     LiuTalwarBound,
     cap_delta,
     liu_talwar,

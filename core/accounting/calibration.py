@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from service.accounting import checks
-from service.accounting.charges import trial_rdp
-from service.accounting.methods import SINGLE, TuningMethod, tuning_method
+from core.accounting import checks
+from core.accounting.charges import trial_rdp
+from core.accounting.methods import SINGLE, TuningMethod, tuning_method
 
 #: calibrated ε lies in [target·(1 − RELATIVE_TOLERANCE), target]
 RELATIVE_TOLERANCE = 1e-3
@@ -53,7 +53,7 @@ def calibrate_noise(
     **params: Any,
 ) -> float:
     """Noise multiplier σ that makes one run (the default) or a whole tuning job (a method, or
-    its kind and parameters as in :func:`~service.accounting.methods.tuning_epsilon`) cost
+    its kind and parameters as in :func:`~core.accounting.methods.tuning_epsilon`) cost
     ε ∈ [target·(1 − 10⁻³), target] at δ."""
     target = checks.positive("target_epsilon", target_epsilon)
     checks.sample_rate(sample_rate)

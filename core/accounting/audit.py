@@ -31,7 +31,7 @@ import math
 import numpy as np
 from scipy import stats
 
-from service.accounting import checks
+from core.accounting import checks
 
 #: Largest ε the search considers: e^ε/(1 + e^ε) is 1 − 10⁻²² there, far beyond any count.
 EPSILON_MAX = 50.0

@@ -2,7 +2,7 @@
 
 A *trial* is T steps of DP-SGD (q, σ) plus, optionally, other mechanisms on the same data
 whose RDP is passed as ``extra_rdp`` (e.g. a private validation score, docs/design.md
-invariant 5); a job's charge comes from its tuning method (:mod:`service.accounting.methods`).
+invariant 5); a job's charge comes from its tuning method (:mod:`core.accounting.methods`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.accounting import checks
-from service.accounting.rdp import compose, epsilon_from_rdp, rdp_curve
+from core.accounting import checks
+from core.accounting.rdp import compose, epsilon_from_rdp, rdp_curve
 
 
 def trial_rdp(
