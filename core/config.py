@@ -93,7 +93,7 @@ class OptimizerConfig(Strict):
 
 
 class ValidationConfig(Strict):
-    """Where the selection score comes from (DESIGN.md invariant 5): a public split, or the
+    """Where the selection score comes from (docs/design.md, invariant 5): a public split, or the
     private one released through a Gaussian mechanism with noise multiplier ``noise``."""
 
     split: Literal["public", "private"] = "public"

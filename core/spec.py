@@ -166,7 +166,7 @@ class Privacy(Strict):
 
 class Selection(Strict):
     """How the released trial is chosen. The only metric is the DP selection score each trial
-    releases (DESIGN.md invariant 5): validation accuracy on the public split, or on the
+    releases (docs/design.md, invariant 5): validation accuracy on the public split, or on the
     private hold-out through the Gaussian mechanism. Any other metric would be computed on
     private data without noise, so it is refused rather than silently ignored."""
 
@@ -221,7 +221,7 @@ class JobSpec(Strict):
             grid = next(p for p, d in self.search_space.items() if isinstance(d, Grid))
             raise ValueError(
                 f"search_space.{grid}: grid search is not allowed under {privacy.accounting!r}: "
-                "random-stopping trials are drawn at random from a fixed prior (DESIGN.md "
+                "random-stopping trials are drawn at random from a fixed prior (docs/design.md "
                 "invariant 6); use 'values' or 'log_uniform'"
             )
         if self.seed is not None and privacy.accounting != "rdp":

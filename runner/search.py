@@ -4,7 +4,7 @@ tuning method draws: ``core.accounting.methods``).
 - ``rdp`` (fixed K): every point of the grid product, each paired with ``trials`` random draws
   of the random dimensions. Every trial is charged, so any search is allowed.
 - ``lt`` / ``ps`` (random K): K is drawn from the accounting distribution and each trial
-  draws its candidate i.i.d. from the fixed prior given by the search space (DESIGN.md
+  draws its candidate i.i.d. from the fixed prior given by the search space (docs/design.md
   invariant 6). K and the order of the candidates must stay secret — the bounds of Liu–Talwar
   and Papernot–Steinke hold for a random K of which only the winner is released — so both come
   from OS entropy (:class:`~workers.dp.randomness.SecureStream`), never from a seed the analyst

@@ -3,7 +3,7 @@
 It lives in its own module (not in the driver, which runs as ``__main__``) so that Ray's
 workers import it by name. Privacy bookkeeping happens where data is touched: the attempt is
 recorded, and charged, through the control plane *before* the trial loads the dataset
-(DESIGN.md invariants 2–3).
+(docs/design.md, invariant 2–3).
 """
 
 from __future__ import annotations

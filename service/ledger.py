@@ -1,4 +1,4 @@
-"""The privacy-budget ledger (DESIGN.md invariants 2, 3 and 7).
+"""The privacy-budget ledger (docs/design.md, invariant 2, 3 and 7).
 
 Rows are append-only and each has a unique reference. Kinds:
 

@@ -55,7 +55,7 @@ def admit(
     idempotency_key: str | None,
 ) -> tuple[Job, bool]:
     """Reserve the job's full planned cost and create it, in one transaction holding the
-    dataset's budget lock (DESIGN.md invariant 2). Returns the job and whether it is new: a
+    dataset's budget lock (docs/design.md, invariant 2). Returns the job and whether it is new: a
     request repeating an earlier ``idempotency_key`` of the same caller gets that job back and
     reserves nothing. Raises :class:`BudgetExceeded` (nothing reserved) when it does not fit.
     """

@@ -8,7 +8,7 @@ every reserved retry, so the target holds even if all of them are used.
 Defaults the analyst leaves out are chosen here, once, and each choice is explained in the
 plan (``Plan.defaults``). They are chosen so that jobs with defaults fit on a dataset in any
 order, whatever their accounting method: δs charged by basic composition (Liu–Talwar bounds,
-caps on K) come out of the dataset's δ (DESIGN.md invariant 7), so no default takes all of it.
+caps on K) come out of the dataset's δ (docs/design.md, invariant 7), so no default takes all of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a caller may see of jobs, trials and the ledger (DESIGN.md invariants 4 and 11).
+"""What a caller may see of jobs, trials and the ledger (docs/design.md, invariant 4 and 11).
 
 The whole policy lives here; the route handlers only shape what these functions return.
 

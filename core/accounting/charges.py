@@ -26,7 +26,7 @@ def trial_rdp(
 
 @dataclass(frozen=True)
 class Charge:
-    """What a job costs, in the ledger's two currencies (DESIGN.md invariant 7): an RDP curve
+    """What a job costs, in the ledger's two currencies (docs/design.md, invariant 7): an RDP curve
     and/or an (ε, δ) pair composed basically."""
 
     rdp: np.ndarray | None = None
@@ -38,7 +38,7 @@ def dataset_epsilon(
     eps_delta_charges: list[tuple[float, float]],
     delta: float,
 ) -> float:
-    """Spent ε of a dataset from all its ledger charges (DESIGN.md invariant 7).
+    """Spent ε of a dataset from all its ledger charges (docs/design.md, invariant 7).
 
     RDP curves add (composition), and the sum is converted at what is left of the dataset's δ
     once the (ε, δ) charges' δs are subtracted; those charges' εs then add by basic

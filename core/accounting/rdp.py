@@ -64,7 +64,7 @@ def rdp_curve(sample_rate: float, noise_multiplier: float, steps: int) -> np.nda
 
 def gaussian_rdp(noise_multiplier: float) -> np.ndarray:
     """RDP α/(2σ²) of one Gaussian release with sensitivity 1 and noise std σ (Mironov 2017,
-    Prop. 7) — e.g. a private validation score, DESIGN.md invariant 5."""
+    Prop. 7) — e.g. a private validation score, docs/design.md, invariant 5."""
     sigma = checks.positive("noise_multiplier", noise_multiplier)
     return _accountant_curve(dp_event.GaussianDpEvent(sigma))
 

@@ -132,7 +132,7 @@ def get_dataset(dataset_id: int, session: SessionDep, caller: Caller) -> Dataset
 
 @router.get("/{dataset_id}/budget")
 def get_budget(dataset_id: int, session: SessionDep, caller: Caller) -> BudgetOut:
-    """Spent and reserved ε, composed over the whole ledger (DESIGN.md invariant 7)."""
+    """Spent and reserved ε, composed over the whole ledger (docs/design.md, invariant 7)."""
     dataset = visible_dataset(session, caller, dataset_id)
     state = ledger.budget(session, dataset)
     entries = visibility.ledger_entries(session, caller, dataset, state.entries)

@@ -1,5 +1,5 @@
 """Tuning jobs: admission, state, trials, cancel, model. What a caller sees of a job is decided
-by :mod:`service.visibility` (DESIGN.md invariants 4 and 11)."""
+by :mod:`service.visibility` (docs/design.md, invariant 4 and 11)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The runner's API: what a job's runner (the Ray driver and its trials, package ``runner``)
 reports to the control plane, authenticated by the job-scoped token minted when the job was
-submitted (DESIGN.md invariant 10: Ray nodes hold no database credentials and no operator key).
+submitted (docs/design.md, invariant 10: Ray nodes hold no database credentials and no
+operator key).
 
 A token is good for its own job only (any other job answers 404) and for these calls only:
 read the job's trial contract, mark the job started, start an attempt (charged before it
@@ -170,7 +171,7 @@ def fail_open(job_id: RunnerJob, index: int, session: SessionDep) -> Response:
 
 
 def _best_trial(job: Job) -> Trial | None:
-    """The finished trial with the best DP selection score (DESIGN.md invariant 5)."""
+    """The finished trial with the best DP selection score (docs/design.md, invariant 5)."""
     done = [t for t in job.trials if t.status == "succeeded" and t.score is not None]
     sign = 1 if job.spec["selection"]["mode"] == "max" else -1
     return max(done, key=lambda t: sign * t.score, default=None)  # type: ignore[operator]

@@ -124,7 +124,7 @@ class Job(Base):
 class Trial(Base):
     """One hyperparameter candidate of a job. ``metrics`` is a list of
     ``{"name", "value", "epoch", "public"}``: ``public`` marks values an analyst may see
-    (computed on public data or through a DP mechanism, DESIGN.md invariant 4)."""
+    (computed on public data or through a DP mechanism, docs/design.md, invariant 4)."""
 
     __tablename__ = "trial"
     __table_args__ = (UniqueConstraint("job_id", "index"),)
@@ -161,7 +161,7 @@ class TrialAttempt(Base):
 
 
 class LedgerEntry(Base):
-    """Append-only budget ledger (DESIGN.md invariant 7). A row carries an RDP curve over
+    """Append-only budget ledger (docs/design.md, invariant 7). A row carries an RDP curve over
     ``core.accounting.ORDERS``, an (ε, δ) pair, or both (a Papernot–Steinke job with a cap
     on K: its curve plus the cap's tail probability as (0, δ))."""
 

@@ -1,5 +1,5 @@
 """Under random stopping the analyst learns nothing about the number of trials K beyond the
-released trial (DESIGN.md invariant 11), and ``privacy.hold_release`` hides when the job
+released trial (docs/design.md, invariant 11), and ``privacy.hold_release`` hides when the job
 ended. The runner is simulated with the control-plane calls the Ray driver makes
 (workers/job.py, workers/trainable.py)."""
 

@@ -1,4 +1,4 @@
-"""Secrets stay in the control plane (issue 17, item 13; DESIGN.md invariant 10).
+"""Secrets stay in the control plane (issue 17, item 13; docs/design.md, invariant 10).
 
 The attack: a Ray job's runtime environment is shown in the Ray dashboard; it carried every
 ``DPTUNE_*`` variable of the service — the operator key included — and the database URL with

@@ -160,7 +160,7 @@ HOSTILE = {"nan": float("nan"), "inf": float("inf"), "huge": 1e20}
 @pytest.mark.parametrize("style", ["all_layer", "layer_wise", "param_wise", "groups"])
 @pytest.mark.parametrize("record", list(HOSTILE))
 def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
-    """DESIGN.md invariant 9: one planted record with NaN, inf or 1e20 features, sampled in
+    """docs/design.md, invariant 9: one planted record with NaN, inf or 1e20 features, sampled in
     every step, must not make the model non-finite — otherwise whether the released model is
     NaN tells whether the record was sampled."""
     from workers.dp import get_clipper

@@ -1,4 +1,4 @@
-"""Randomness that protects privacy cannot be reproduced (DESIGN.md invariant 8).
+"""Randomness that protects privacy cannot be reproduced (docs/design.md, invariant 8).
 
 The attacks these stop: with a trial seed fed to torch's CPU generator (which keeps only its
 low 32 bits), seeds that agree in their low 32 bits gave identical noise, and one released

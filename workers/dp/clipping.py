@@ -4,6 +4,12 @@ Group-wise clipping (paper 002, eq. 4): the trainable parameters are split into 
 per-sample gradient restricted to group m is clipped at R_m = R/√M, so the concatenated clipped
 gradient has norm at most ‖[R_1, …, R_M]‖₂ = R and one Gaussian noise of std σR covers all groups.
 (Paper 002's Algorithm 1 drops the 1/√M, which would make the sensitivity √M·R; we follow eq. 4.)
+
+Hostile records (docs/design.md, invariant 9) are handled here for both clippers: squared norms are
+accumulated in float64 (``sq_norms``), so a finite example gets a finite norm even when its
+squared norm overflows float32; an example with any non-finite group norm gets clip factor 0
+(``clip_factors``) and its rows are zeroed before any product (``zero_rows``), since
+0·NaN = NaN; factors are cast to the gradients' dtype without overflowing (``factors_as``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from core.config import ClippingFunction
 
 GroupSpec = str | Sequence[Sequence[str]] | None
 CoefFn = Callable[[Tensor], Tensor]
+
+# Most float64 elements ``sq_norms`` converts at once (bounds its transient memory).
+NORM_CHUNK = 1 << 20
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -95,3 +104,59 @@ def coefficient_fn(
     if function == "auto_v":
         return lambda norms: torch.where(norms > 0, r / norms, torch.zeros_like(norms))
     raise ValueError(f"method.clipping: unknown clipping function {function!r}")
+
+
+def sq_norms(rows: Tensor) -> Tensor:
+    """‖x_i‖² [B] of every row x_i = ``rows[i]``, accumulated in float64.
+
+    Squares of float32 values overflow from 1.8e19 on, and a float32 sum of millions of
+    squares loses ~1e-4 of its value; in float64 neither happens (a float32 value squared is
+    at most 1.2e77). Rows are converted a bounded chunk at a time.
+    """
+    flat = rows.flatten(1)
+    if flat.dtype == torch.float64 or flat.numel() <= NORM_CHUNK:
+        return flat.double().square().sum(1)
+    cols = flat.shape[1]
+    col_step = min(cols, NORM_CHUNK)
+    row_step = NORM_CHUNK // col_step
+    out = []
+    for i in range(0, flat.shape[0], row_step):
+        block = flat[i:i + row_step]
+        total = block.new_zeros(block.shape[0], dtype=torch.float64)
+        for j in range(0, cols, col_step):
+            total += block[:, j:j + col_step].double().square().sum(1)
+        out.append(total)
+    return torch.cat(out)
+
+
+def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
+    """``coef_fn(norms)`` [B, M], with factor 0 for every example that has a non-finite norm
+    in any group (and for any non-finite factor): such an example contributes nothing."""
+    coef = coef_fn(norms)
+    if coef.shape != norms.shape:
+        raise ValueError(
+            f"coef_fn: must return shape {tuple(norms.shape)}, got {tuple(coef.shape)}"
+        )
+    usable = finite_examples(norms).unsqueeze(1) & coef.isfinite()
+    return torch.where(usable, coef, 0)
+
+
+def finite_examples(norms: Tensor) -> Tensor:
+    """[B] bool: the examples whose norms [B, M] are finite in every group."""
+    return norms.isfinite().all(1)
+
+
+def zero_rows(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` with the rows (first axis) where ``keep`` is false set to zero, out of place."""
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, 0)
+
+
+def factors_as(coef: Tensor, dtype: torch.dtype) -> Tensor:
+    """Clip factors in ``dtype``, clamped to its finite range.
+
+    AUTO-V's R/‖g‖ exceeds the float32 range when ‖g‖ < R/3.4e38 (a record with subnormal
+    features); an infinite factor would turn the zeros of g into NaN. Clamping lowers the factor,
+    so ‖c·g‖ only shrinks, and c·|g_j| ≤ c·‖g‖ ≤ R keeps every product finite.
+    """
+    big = torch.finfo(dtype).max
+    return coef.clamp(-big, big).to(dtype)

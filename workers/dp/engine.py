@@ -7,7 +7,8 @@ private gradient of every parameter is
 
 (paper 001 eq. 2 / Algorithm 1, paper 002 eq. 4): the clipped sum has sensitivity C_t (≤ C_t
 for add/remove, ≤ 2C_t for replace-one), the noise is drawn once per logical step whatever the
-number of micro-batches, and the divisor is the expected B, never |𝓑_t| (DESIGN.md invariant 1).
+number of micro-batches, and the divisor is the expected B, never |𝓑_t| (docs/design.md,
+invariant 1).
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ It materializes every example's gradient (memory B × #params), so it works for 
 functional API can trace; the fast path (``workers.dp.ghost``) computes the same quantities
 without materializing them where it can. Both implement the clipper seam
 ``clipped_grad_sum(model, loss_fn, inputs, targets, groups, coef_fn) -> (norms, sums)``.
+
+Each clipped sum is formed from the very per-sample gradients whose norms were taken, so an
+example's contribution c·g_i has norm c·‖g_i‖ ≤ R_m up to the rounding of one product; norms are
+accumulated in float64 and examples with a non-finite norm contribute zero (invariant 9, see
+``workers.dp.clipping``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from workers.dp.clipping import CoefFn, GroupSpec, resolve_groups
+from workers.dp.clipping import (
+    CoefFn,
+    GroupSpec,
+    clip_factors,
+    factors_as,
+    finite_examples,
+    resolve_groups,
+    sq_norms,
+    zero_rows,
+)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -35,8 +49,8 @@ def per_sample_grads(
 
 
 def group_norms(grads: dict[str, Tensor], groups: list[list[str]]) -> Tensor:
-    """‖g_i restricted to group m‖₂ for every example i and group m, shape [B, M]."""
-    squares = [sum(grads[n].flatten(1).pow(2).sum(1) for n in group) for group in groups]
+    """‖g_i restricted to group m‖₂ for every example i and group m, shape [B, M], float64."""
+    squares = [sum(sq_norms(grads[n]) for n in group) for group in groups]
     return torch.stack(squares, dim=1).sqrt()
 
 
@@ -48,15 +62,19 @@ def clipped_grad_sum(
     groups: list[list[str]],
     coef_fn: CoefFn,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-sample norms [B, M] and Σ_i coef[i, m(name)]·g_i[name] for every parameter."""
+    """Per-sample norms [B, M] (float64) and Σ_i coef[i, m(name)]·g_i[name] for every
+    parameter; an example with a non-finite norm adds nothing (its gradients are zeroed)."""
     grads = per_sample_grads(model, loss_fn, inputs, targets)
     norms = group_norms(grads, groups)
-    coef = coef_fn(norms)
-    sums = {
-        name: torch.tensordot(coef[:, m], grads[name], dims=1)
-        for m, group in enumerate(groups)
-        for name in group
-    }
+    coef = clip_factors(coef_fn, norms)
+    keep = finite_examples(norms)
+    clean = bool(keep.all())
+
+    def clipped_sum(m: int, g: Tensor) -> Tensor:
+        rows = g if clean else zero_rows(g, keep)  # one parameter's copy at a time
+        return torch.tensordot(factors_as(coef[:, m], g.dtype), rows, dims=1)
+
+    sums = {name: clipped_sum(m, grads[name]) for m, group in enumerate(groups) for name in group}
     return norms, sums
 
 

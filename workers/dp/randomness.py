@@ -1,4 +1,4 @@
-"""Randomness that protects privacy (DESIGN.md invariant 8).
+"""Randomness that protects privacy (docs/design.md, invariant 8).
 
 Every draw a DP guarantee rests on — Poisson sampling, gradient noise, the noisy statistics of
 adaptive clipping rules, validation noise, the private hold-out, the candidates of a

@@ -1,6 +1,6 @@
 """Poisson sampling of logical batches and their split into physical micro-batches.
 
-DESIGN.md invariant 1: each example joins each logical batch independently with probability
+docs/design.md, invariant 1: each example joins each logical batch independently with probability
 q = B/N, which is what the subsampled-Gaussian accountant assumes. The realized batch size is
 random (possibly 0) and is never used to normalize: the engine divides the noisy sum by B.
 

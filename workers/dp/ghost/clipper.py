@@ -7,6 +7,11 @@ weight gradient); the per-sample norms of every layer follow from ``a`` and ``�
 (``layers.py``), the clip factors ``C = coef_fn(norms)`` are computed once for all groups, and
 each clipped sum is ``aᵀ · diag(C) · ∂L/∂s`` — no second backward pass for any clipping style.
 
+Hostile records (docs/design.md, invariant 9): norms are float64 (``layers.py`` explains the
+guard that keeps norms over several positions an upper bound on what is summed); an example with a
+non-finite norm gets clip factor 0 and its rows of ``a``, ``∂L/∂s``, kept per-sample gradients
+and ``torch.func`` gradients are zeroed before any product (0·NaN = NaN), one layer at a time.
+
 The seam gives ``coef_fn`` the whole [B, M] matrix at once (adaptive rules need every norm), so
 ``a`` and ``∂L/∂s`` are book-kept until the end of the backward pass: the peak memory of paper
 002's all-layer style (Fact 6.1) for every style. Layers whose per-sample gradients are smaller
@@ -37,10 +42,17 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
+from workers.dp.clipping import (
+    CoefFn,
+    clip_factors,
+    factors_as,
+    finite_examples,
+    sq_norms,
+    zero_rows,
+)
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-CoefFn = Callable[[Tensor], Tensor]
 
 
 class FallbackWarning(UserWarning):
@@ -253,14 +265,15 @@ def clipped_grad_sum(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipper seam, fast path: ``(norms [B, M], {name: Σ_i coef[i, m(name)] · g_i[name]})``.
 
-    Same contract and results as the general ``torch.func`` path (``workers/dp/grads.py``).
+    Same contract and results as the general ``torch.func`` path (``workers/dp/grads.py``);
+    norms are float64, and an example with a non-finite norm adds nothing to any sum.
     """
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     group_of = _group_index(groups, params)
     batch = inputs.shape[0]
     first = next(iter(params.values()))
     if batch == 0:  # an empty Poisson batch: zero sums, and coef_fn sees it as on the general path
-        norms = torch.zeros(0, len(groups), dtype=first.dtype, device=first.device)
+        norms = torch.zeros(0, len(groups), dtype=torch.float64, device=first.device)
         coef_fn(norms)
         return norms, {n: torch.zeros_like(p) for n, p in params.items()}
     layers, fallback = _plan(model, params)
@@ -282,31 +295,36 @@ def clipped_grad_sum(
     fallback_grads = (_per_sample_grads(model, loss_fn, inputs, targets, fallback)
                       if fallback else {})
 
-    sq_norms = {n: g.flatten(1).square().sum(1) for n, g in fallback_grads.items()}
+    squares = {n: sq_norms(g) for n, g in fallback_grads.items()}
     for layer in layers:
         if layer.kept is not None:
-            layer_sq = {k: v.flatten(1).square().sum(1) for k, v in layer.kept.items()}
+            layer_sq = {k: sq_norms(v) for k, v in layer.kept.items()}
         else:
             layer_sq = layer.rule.sq_norms(layer.module, calls[layer.name])
-        sq_norms.update({layer.params[attr]: value for attr, value in layer_sq.items()})
-    norms = torch.zeros(batch, len(groups), dtype=first.dtype, device=first.device)
-    for name, value in sq_norms.items():
-        norms[:, group_of[name]] += value.to(norms.dtype)
+        squares.update({layer.params[attr]: value for attr, value in layer_sq.items()})
+    norms = torch.zeros(batch, len(groups), dtype=torch.float64, device=first.device)
+    for name, value in squares.items():
+        norms[:, group_of[name]] += value
     norms = norms.sqrt()
 
-    coef = coef_fn(norms)
-    if coef.shape != norms.shape:
-        raise ValueError(
-            f"coef_fn: must return shape {tuple(norms.shape)}, got {tuple(coef.shape)}"
-        )
-    sums = {n: torch.tensordot(coef[:, group_of[n]].to(g.dtype), g, dims=1)
-            for n, g in fallback_grads.items()}
+    coef = clip_factors(coef_fn, norms)
+    keep = finite_examples(norms)
+    clean = bool(keep.all())
+
+    def rows(x: Tensor) -> Tensor:
+        """``x`` without the rows of examples whose norm is not finite (ids stay as they are)."""
+        return x if clean or not x.is_floating_point() else zero_rows(x, keep)
+
+    def clipped(m: int, g: Tensor) -> Tensor:
+        return torch.tensordot(factors_as(coef[:, m], g.dtype), rows(g), dims=1)
+
+    sums = {n: clipped(group_of[n], g) for n, g in fallback_grads.items()}
     for layer in layers:
-        layer_coef = {attr: coef[:, group_of[n]] for attr, n in layer.params.items()}
         if layer.kept is not None:
-            layer_sums = {k: torch.tensordot(layer_coef[k].to(v.dtype), v, dims=1)
-                          for k, v in layer.kept.items()}
+            layer_sums = {k: clipped(group_of[layer.params[k]], v) for k, v in layer.kept.items()}
         else:
-            layer_sums = layer.rule.sums(layer.module, calls[layer.name], layer_coef)
+            layer_calls = [Call(rows(c.activation), rows(c.grad)) for c in calls[layer.name]]
+            layer_coef = {attr: coef[:, group_of[n]] for attr, n in layer.params.items()}
+            layer_sums = layer.rule.sums(layer.module, layer_calls, layer_coef)
         sums.update({layer.params[attr]: value for attr, value in layer_sums.items()})
     return norms, {n: sums[n] for n in params}

@@ -16,6 +16,16 @@ LayerNorm / GroupNorm and all biases have small per-sample gradients, instantiat
 
 A module called several times in one forward (a shared layer) receives the sum of its calls'
 gradients, so its calls are concatenated along the position axis T before any norm is taken.
+
+Floating point. The clipped sum of a weight matrix is not formed from the per-sample gradient
+whose norm is taken, so norm and sum must agree closely enough that no example's contribution
+exceeds its bound (issue 17, item 8). With one position (T = 1) the gradient g aᵀ is rank one:
+its norm is ‖a‖·‖g‖ (float64, no cancellation) and each entry of its contribution is a single
+product, so the parameter dtype serves for the sum. With T > 1 positions, Σ_t g_t a_tᵀ can
+cancel: inputs M·v and M·v + δ with output gradients +w and -w give -w δᵀ, and in float32 the
+ghost norm of such an example is rounding noise while the sum, by another route, is not. There
+the norm (ghost or instantiated) and the sum are both computed in float64, and the norm gets a
+rounding guard (``positions_sq_norms``) that makes the argument rigorous.
 """
 
 from __future__ import annotations
@@ -28,9 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.dp.clipping import factors_as, sq_norms
+
 # Most float elements a transient tensor (unfolded patches, Gram matrices, instantiated
 # per-sample weight gradients) may hold; larger batches are processed in chunks of samples.
 CHUNK_ELEMENTS = 1 << 24
+# Most (sample, position) rows one float64 book-keeping reduction adds up (a sample with more
+# positions is reduced alone): this bounds the n of the reduction's rounding error, see
+# ``rounding_slack``.
+SUM_ROWS = 1 << 16
+# Unit roundoff of float64.
+U64 = 2.0**-53
 
 
 @dataclass
@@ -60,27 +78,104 @@ def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim)
 
 
-def matmul_sq_norms(a: Tensor, g: Tensor) -> Tensor:
-    """Per-sample ``‖g_iᵀ a_i‖_F²`` [B] for ``a`` [B, T, d] and ``g`` [B, T, p]: ghost norm or
-    instantiated gradient (``use_ghost``), in chunks of samples to bound the transient memory."""
-    batch, positions, d = a.shape
+def _sum_chunks(batch: int, positions: int, width: int) -> list[slice]:
+    """Chunks of samples for a float64 book-keeping sum: bounded float64 copies of ``a`` and
+    ``g`` (``width`` = their features per position) and at most max(T, ``SUM_ROWS``) rows."""
+    step = max(1, min(CHUNK_ELEMENTS // max(1, positions * width), SUM_ROWS // positions))
+    return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
+
+
+def rounding_slack(positions: int, norm_length: int) -> float:
+    """κ of the rounding guard ``κ·S_i²`` added to a squared norm over T > 1 positions.
+
+    ``norm_length`` is the n of the norm's own rounding bound (see ``positions_sq_norms``); the
+    sum adds n ≤ max(T, ``SUM_ROWS``) terms per entry. The constant 3 covers γ_n ≤ 1.01·n·u
+    (n·u ≤ 0.01), the rounding of S_i and of c_i·g_t.
+    """
+    return 3 * U64 * (norm_length + 2 * max(positions, SUM_ROWS))
+
+
+def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """Per-sample squared norm [B] (float64) of the gradient of G maps applied at T positions,
+    ``Σ_k ‖Σ_t g_{t,k} a_{t,k}ᵀ‖_F²``, for ``a`` [B, G, T, d] and ``g`` [B, G, T, p], made an
+    upper bound on the square of what ``positions_sum`` adds for a sample.
+
+    T = 1: (‖a‖·‖g‖)² in float64; the sum forms each entry of c·g aᵀ as one product in the
+    parameter dtype, so it exceeds c·‖a‖·‖g‖ by at most two roundings (1.2e-7 in float32).
+    T > 1: ghost norm or instantiation (by ``use_ghost``) in float64 plus the guard κ·S_i²,
+    S_i = Σ_t ‖a_t‖·‖g_t‖. Why this suffices (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, §3.1: a float64 dot product or sum of n terms x_k, evaluated in any order, has
+    error ≤ γ_n·Σ|x_k|, γ_n = nu/(1 − nu), u = 2^-53; matrix products are such dot products on
+    CPU and GPU BLAS alike, with no Strassen-like or reduced-precision algorithm in float64):
+
+    - ghost: entries of a aᵀ and g gᵀ are dot products of length d and p with error
+      ≤ γ_d‖a_t‖‖a_s‖ and γ_p‖g_t‖‖g_s‖; the T² products then summed give an error of at most
+      (γ_d + γ_p + γ_{T²} + O(u²))·Σ_{t,s}‖a_t‖‖a_s‖‖g_t‖‖g_s‖ = γ_{d+p+T²+1}·S_i²;
+    - instantiation: each entry of Σ_t g_t a_tᵀ is a length-T dot product, so the computed
+      matrix is within γ_T·S_i of the exact one (Frobenius), and squaring and summing its p·d
+      entries loses γ_{pd}; together ≤ γ_{2T+pd+1}·S_i² on the squared norm;
+    - the sum (paper 002 eq. 3, book-keeping of Bu et al. 2022: Σ_i c_i Σ_t g_t a_tᵀ) adds, in
+      float64, at most n_s ≤ max(T, ``SUM_ROWS``) terms c_i·g_t a_tᵀ per entry, so sample i's
+      part of it is within γ_{n_s+1}·c_i·S_i of c_i·G_i, G_i its exact gradient.
+
+    With ‖G_i‖ ≤ S_i (triangle inequality), ν_i² = computed‖G_i‖² + κ·S_i² ≥ (‖G_i‖ + γ·S_i)²
+    once κ ≥ γ_norm + 2γ_{n_s+1} + γ_{n_s+1}² (``rounding_slack``), so every clipping function
+    (c_i·ν_i ≤ R_m) keeps c_i·(‖G_i‖ + γ·S_i) ≤ R_m: what is actually added for sample i stays
+    within its bound, however much its terms cancel. For ordinary data κ ≈ 1e-10 and S_i/‖G_i‖
+    is moderate, so the guard moves norms by far less than 1e-6 relative. What remains is the
+    float64 → float32 rounding of the finished sum and the adding of chunk partial sums, whose
+    terms are already clipped contributions: the usual rounding of a sum of bounded terms.
+    """
+    batch, groups, positions, d = a.shape
     p = g.shape[-1]
-    if positions == 1:  # ‖g aᵀ‖² = ‖a‖²‖g‖² for a rank-one gradient
-        return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    ghost = use_ghost(positions, d, p)
-    out = []
-    for part in _chunks(batch, positions * positions if ghost else p * d):
-        ap, gp = a[part], g[part]
-        if ghost:
-            out.append((ap @ ap.mT).mul_(gp @ gp.mT).sum((1, 2)))
-        else:
-            out.append((gp.mT @ ap).square().sum((1, 2)))
-    return _cat(out, 0).clamp_min_(0.0)
+    ghost = positions > 1 and use_ghost(positions, d, p)
+    transient = positions * positions if ghost else (p * d if positions > 1 else 0)
+    out = [_guarded_sq_norms(a[part].double(), g[part].double(), ghost).sum(1)
+           for part in _chunks(batch, groups * (positions * (d + p) + transient))]
+    return _cat(out, 0)
+
+
+def _guarded_sq_norms(a: Tensor, g: Tensor, ghost: bool) -> Tensor:
+    """``positions_sq_norms`` of one chunk of float64 samples, per map: [b, G]."""
+    positions, d, p = a.shape[-2], a.shape[-1], g.shape[-1]
+    spread = torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)
+    if positions == 1:  # rank one: ‖g aᵀ‖ = ‖a‖·‖g‖, no cancellation
+        return spread.squeeze(-1).square()
+    if ghost:
+        sq = (a @ a.mT).mul_(g @ g.mT).sum((-2, -1)).clamp_min_(0.0)
+        length = d + p + positions * positions + 1
+    else:
+        sq = (g.mT @ a).square().sum((-2, -1))
+        length = 2 * positions + p * d + 1
+    return sq + rounding_slack(positions, length) * spread.sum(-1).square()
+
+
+def positions_sum(a: Tensor, g: Tensor, coef: Tensor) -> Tensor:
+    """``Σ_i coef[i] Σ_t g_{i,t,k} a_{i,t,k}ᵀ`` [G, p, d] for ``a`` [B, G, T, d], ``g``
+    [B, G, T, p]: in ``g``'s dtype for one position (rank one), else in float64 by chunks of
+    samples whose partial sums are added (see ``positions_sq_norms``)."""
+    batch, groups, positions, d = a.shape
+    p = g.shape[-1]
+    if positions == 1:
+        return torch.einsum("bkp,bkd->kpd", _scaled(g[:, :, 0], coef), a[:, :, 0])
+    total = torch.zeros(groups, p, d, dtype=torch.float64, device=a.device)
+    for part in _sum_chunks(batch, positions, groups * (d + p)):
+        gp = g[part].double() * coef[part].view(-1, 1, 1, 1)
+        ap = a[part].double()
+        total += gp.permute(1, 3, 0, 2).flatten(2) @ ap.transpose(0, 1).flatten(1, 2)
+    return total
 
 
 def _scaled(g: Tensor, coef: Tensor) -> Tensor:
-    """``diag(C) · g``: sample i of ``g`` times ``coef[i]``."""
-    return g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+    """``diag(C) · g`` in ``g``'s dtype: sample i of ``g`` times ``coef[i]``, each product
+    formed in float64 and clamped to ``g``'s finite range (used where ``a`` has one position).
+
+    A clamped entry has |c·g_j| > max, so ‖a‖ < R_m/max and its products with ``a`` stay below
+    R_m; clamping only shrinks c·g, and with it ‖c·g aᵀ‖ = ‖c·g‖·‖a‖.
+    """
+    big = torch.finfo(g.dtype).max
+    scaled = g.double() * coef.double().view(-1, *([1] * (g.dim() - 1)))
+    return scaled.clamp_(-big, big).to(g.dtype)
 
 
 def _sum_over(x: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -143,8 +238,9 @@ class LayerRule:
         return out
 
     def sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
-        """Per-sample squared gradient norm [B] of each trainable parameter, by attribute."""
-        out = {k: v.flatten(1).square().sum(1) for k, v in self.small(module, calls).items()}
+        """Per-sample squared gradient norm [B] (float64) of each trainable parameter, by
+        attribute. The small gradients are summed from the very rows measured here."""
+        out = {k: sq_norms(v) for k, v in self.small(module, calls).items()}
         if self.has_weight_matrix and _trainable(module, "weight"):
             out["weight"] = self.weight_sq_norms(module, calls)
         return out
@@ -152,13 +248,15 @@ class LayerRule:
     def sums(
         self, module: nn.Module, calls: Sequence[Call], coef: dict[str, Tensor]
     ) -> dict[str, Tensor]:
-        """``Σ_i coef[k][i] · ∂L_i/∂param_k`` for each trainable parameter, by attribute."""
+        """``Σ_i coef[k][i] · ∂L_i/∂param_k`` for each trainable parameter, by attribute, in
+        the parameter's dtype."""
         out = {
-            k: torch.tensordot(coef[k].to(v.dtype), v, dims=1)
+            k: torch.tensordot(factors_as(coef[k], v.dtype), v, dims=1)
             for k, v in self.small(module, calls).items()
         }
         if self.has_weight_matrix and _trainable(module, "weight"):
-            out["weight"] = self.weight_sum(module, calls, coef["weight"])
+            weight = module.weight
+            out["weight"] = self.weight_sum(module, calls, coef["weight"]).to(weight.dtype)
         return out
 
 
@@ -181,13 +279,17 @@ class LinearRule(LayerRule):
     def small(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
         return _bias_rows(module, calls, -1)
 
-    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+    @staticmethod
+    def _positions(calls: Sequence[Call]) -> tuple[Tensor, Tensor]:
+        """Inputs [B, 1, T, d] and output gradients [B, 1, T, p], calls concatenated along T."""
         def positions(x: Tensor) -> Tensor:
-            return x.reshape(x.shape[0], -1, x.shape[-1])
+            return x.reshape(x.shape[0], 1, -1, x.shape[-1])
 
-        a = _cat([positions(c.activation) for c in calls], 1)
-        g = _cat([positions(c.grad) for c in calls], 1)
-        return matmul_sq_norms(a, g)
+        return (_cat([positions(c.activation) for c in calls], 2),
+                _cat([positions(c.grad) for c in calls], 2))
+
+    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+        return positions_sq_norms(*self._positions(calls))
 
     def keeps_per_sample(self, module: nn.Module, activation: Tensor,
                          output_shape: torch.Size) -> bool:
@@ -201,20 +303,16 @@ class LinearRule(LayerRule):
         return g.mT @ call.activation.reshape(batch, -1, call.activation.shape[-1])
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
-        return _rows([
-            _scaled(c.grad, coef).reshape(-1, c.grad.shape[-1]).mT
-            @ c.activation.reshape(-1, c.activation.shape[-1])
-            for c in calls
-        ])
+        return positions_sum(*self._positions(calls), coef)[0]
 
 
 class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``nn.Conv2d`` (any stride, dilation, groups, zero padding).
 
-    A convolution is a linear map on the unfolded patches [B, C_in·k, T] (one per conv group).
-    Norms take the ghost norm on those patches when it is cheaper, else instantiate per-sample
-    gradients with one grouped weight-gradient convolution; clipped sums call the convolution's
-    own weight-gradient kernel on ``diag(C)·g``.
+    A convolution is a linear map on the unfolded patches [B, C_in·k, T] (one per conv group),
+    so norms and clipped sums are those of ``positions_sq_norms`` / ``positions_sum`` on the
+    patches, a bounded chunk of samples at a time. Per-sample gradients formed in the backward
+    pass (``keeps_per_sample``) come from one grouped weight-gradient convolution instead.
     """
 
     has_weight_matrix = True
@@ -264,69 +362,52 @@ class ConvRule(LayerRule):
                 and module.weight.numel() < activation[0].numel() + output)
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
+        """Per-sample weight gradients [B, *weight] from one weight-gradient convolution with the
+        samples as extra groups (faster than unfolding the patches)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        return self._instantiated(module, [call], slice(None)).view(-1, *module.weight.shape)
+        x4, geo = self._as_2d(module, call.activation)
+        g4 = call.grad.unsqueeze(-2) if isinstance(module, nn.Conv1d) else call.grad
+        b = x4.shape[0]
+        shape = (b * module.out_channels, module.weight.shape[1], *geo["kernel_size"])
+        return torch.nn.grad.conv2d_weight(
+            x4.reshape(1, -1, *x4.shape[2:]), shape, g4.reshape(1, -1, *g4.shape[2:]),
+            geo["stride"], geo["padding"], geo["dilation"], b * module.groups,
+        ).view(b, *module.weight.shape)
+
+    def _patch_chunks(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call]) -> list[slice]:
+        """Chunks of samples whose unfolded patches and output gradients fit the chunk size."""
+        positions = sum(c.grad[0].numel() // module.out_channels for c in calls)
+        p, d = module.out_channels // module.groups, module.weight[0].numel()  # per group
+        return _chunks(calls[0].grad.shape[0], module.groups * positions * (d + p))
+
+    def _positions(
+        self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call], part: slice
+    ) -> tuple[Tensor, Tensor]:
+        """Patches [b, G, T, d] and output gradients [b, G, T, p] of the samples in ``part``,
+        in float64 (the input is converted before it is unfolded, k times cheaper), calls
+        concatenated along T, one map per conv group."""
+        patches, grads = [], []
+        for call in calls:
+            x4, geo = self._as_2d(module, call.activation[part].double())
+            patches.append(F.unfold(x4, **geo))  # [b, C_in·k, T]
+            grads.append(call.grad[part].double().flatten(2))  # [b, C_out, T]
+        a, g = _cat(patches, -1), _cat(grads, -1)
+        b, positions, groups = a.shape[0], a.shape[-1], module.groups
+        return (a.reshape(b, groups, -1, positions).transpose(-1, -2),
+                g.reshape(b, groups, -1, positions).transpose(-1, -2))
 
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        groups = module.groups
-        batch = calls[0].grad.shape[0]
-        positions = sum(c.grad[0].numel() // module.out_channels for c in calls)
-        p, d = module.out_channels // groups, module.weight[0].numel()  # per group
-        ghost = self._ghost_cheaper(module, positions)
-        per_sample = groups * (positions * (d + p) + (positions * positions if ghost else p * d))
-        out = []
-        for part in _chunks(batch, per_sample):
-            if ghost:
-                out.append(self._ghost(module, calls, part))
-            else:
-                out.append(self._instantiated(module, calls, part).flatten(1).square().sum(1))
-        return _cat(out, 0)
-
-    def _ghost(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call], part: slice) -> Tensor:
-        """Ghost norm on the unfolded patches [b, C_in·k, T], one linear map per conv group."""
-        patches, grads = [], []
-        for call in calls:
-            x4, geo = self._as_2d(module, call.activation[part])
-            patches.append(F.unfold(x4, **geo))
-            grads.append(call.grad[part].flatten(2))  # [b, C_out, T]
-        a, g = _cat(patches, -1), _cat(grads, -1)
-        b, positions, groups = a.shape[0], a.shape[-1], module.groups
-        a = a.reshape(b * groups, -1, positions).mT
-        g = g.reshape(b * groups, -1, positions).mT
-        return matmul_sq_norms(a, g).view(b, groups).sum(1)
-
-    def _instantiated(
-        self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call], part: slice
-    ) -> Tensor:
-        """Per-sample weight gradients [b, *weight] from one weight-gradient convolution with the
-        samples as extra groups (faster than unfolding the patches)."""
-        total = []
-        for call in calls:
-            x4, geo = self._as_2d(module, call.activation[part])
-            g = call.grad[part]
-            g4 = g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g
-            b = x4.shape[0]
-            shape = (b * module.out_channels, module.weight.shape[1], *geo["kernel_size"])
-            total.append(torch.nn.grad.conv2d_weight(
-                x4.reshape(1, -1, *x4.shape[2:]), shape, g4.reshape(1, -1, *g4.shape[2:]),
-                geo["stride"], geo["padding"], geo["dilation"], b * module.groups,
-            ).view(b, -1))
-        return _rows(total)
+        return _cat([positions_sq_norms(*self._positions(module, calls, part))
+                     for part in self._patch_chunks(module, calls)], 0)
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        total = []
-        for call in calls:
-            x4, geo = self._as_2d(module, call.activation)
-            g = _scaled(call.grad, coef)
-            g4 = g.unsqueeze(-2) if isinstance(module, nn.Conv1d) else g
-            weight = module.weight.view(module.out_channels, -1, *geo["kernel_size"])
-            total.append(torch.nn.grad.conv2d_weight(
-                x4, weight.shape, g4, geo["stride"], geo["padding"], geo["dilation"],
-                module.groups,
-            ).view_as(module.weight))
-        return _rows(total)
+        total = module.weight.new_zeros(module.weight.shape, dtype=torch.float64)
+        per_group = total.view(module.groups, module.out_channels // module.groups, -1)
+        for part in self._patch_chunks(module, calls):
+            per_group += positions_sum(*self._positions(module, calls, part), coef[part])
+        return total
 
 
 class EmbeddingRule(LayerRule):
@@ -344,32 +425,44 @@ class EmbeddingRule(LayerRule):
         return {}
 
     @staticmethod
-    def _ids_and_grads(module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        batch = call.grad.shape[0]
-        ids = call.activation.reshape(batch, -1)
-        g = call.grad.reshape(batch, ids.shape[1], -1)
+    def _ids_and_grads(module: nn.Module, calls: Sequence[Call]) -> tuple[Tensor, Tensor]:
+        """Ids [B, T] and output gradients [B, T, p] (zero at ``padding_idx``), calls
+        concatenated along T."""
+        batch = calls[0].grad.shape[0]
+        ids = torch.cat([c.activation.reshape(batch, -1) for c in calls], 1)
+        g = torch.cat([c.grad.reshape(batch, -1, c.grad.shape[-1]) for c in calls], 1)
         if module.padding_idx is not None:
-            g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            g = torch.where((ids != module.padding_idx).unsqueeze(-1), g, 0)
         return ids, g
 
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
-        pairs = [self._ids_and_grads(module, c) for c in calls]
-        ids = torch.cat([i for i, _ in pairs], 1)
-        g = torch.cat([gr for _, gr in pairs], 1)
-        batch, positions = ids.shape
+        """The ghost norm in float64 with ``positions_sq_norms``' guard (one-hot inputs have
+        ‖a_t‖ = 1, so S_i = Σ_t ‖g_t‖): rows of ids repeated at positions t and s get
+        g_t + g_s, which may cancel like any ghost norm."""
+        ids, g = self._ids_and_grads(module, calls)
+        batch, positions, p = g.shape
+        slack = rounding_slack(positions, p + positions * positions + 1)
         out = []
-        for part in _chunks(batch, positions * positions):
+        for part in _chunks(batch, positions * (positions + p)):
+            gp = g[part].double()
             same = ids[part].unsqueeze(2) == ids[part].unsqueeze(1)
-            gp = g[part]
-            out.append((gp @ gp.mT).mul_(same).sum((1, 2)))
-        return torch.cat(out).clamp_min_(0.0)
+            sq = (gp @ gp.mT).mul_(same).sum((1, 2)).clamp_min_(0.0)
+            spread = torch.linalg.vector_norm(gp, dim=-1).sum(1)
+            out.append(sq + slack * spread.square())
+        return _cat(out, 0)
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
+        """Scaled rows added up in float64 per chunk of samples (only the rows the chunk
+        touches), then into the weight-shaped total: partial sums of clipped contributions."""
         assert isinstance(module, nn.Embedding)
+        ids, g = self._ids_and_grads(module, calls)
+        batch, positions, p = g.shape
         total = torch.zeros_like(module.weight)
-        for call in calls:
-            ids, g = self._ids_and_grads(module, call)
-            total.index_add_(0, ids.flatten(), _scaled(g, coef).flatten(0, 1))
+        for part in _sum_chunks(batch, positions, p):
+            rows = (g[part].double() * coef[part].view(-1, 1, 1)).flatten(0, 1)
+            touched, where = ids[part].flatten().unique(return_inverse=True)
+            partial = rows.new_zeros(len(touched), p).index_add_(0, where, rows)
+            total.index_add_(0, touched, partial.to(total.dtype))
         return total
 
 
