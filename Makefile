@@ -16,6 +16,8 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict core
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -156,12 +156,17 @@ def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
     warnings.filterwarnings("ignore")
     model = ModuleValidator.fix(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                         batch_size=len(x))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
     engine = PrivacyEngine(accountant="rdp")
     made = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader, criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode,
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
     )
     if mode == "ghost":
         dp_model, dp_optimizer, criterion, _ = made
@@ -176,8 +181,16 @@ def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
     return step
 
 
-def run_one(model_name: str, batch: int, method: str, device: str, steps: int, seconds: float,
-            style: str, threads: int | None) -> Result:
+def run_one(
+    model_name: str,
+    batch: int,
+    method: str,
+    device: str,
+    steps: int,
+    seconds: float,
+    style: str,
+    threads: int | None,
+) -> Result:
     """Measure one column in this process (meant to be a fresh subprocess)."""
     import torch
 
@@ -200,8 +213,11 @@ def run_one(model_name: str, batch: int, method: str, device: str, steps: int, s
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     step()
     sync()
-    peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if cuda
-               else (_proc_kb("VmHWM") - baseline_kb) / 1024)
+    peak_mb = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if cuda
+        else (_proc_kb("VmHWM") - baseline_kb) / 1024
+    )
     if not cuda:
         _mmap_threshold(1 << 25)  # glibc's largest threshold: tensors reuse the heap
 
@@ -233,13 +249,28 @@ def _param_count(model_name: str) -> int:
 
 
 def _spawn(model_name: str, batch: int, method: str, args: argparse.Namespace) -> Result:
-    cmd = [sys.executable, __file__, "--one", model_name, str(batch), method,
-           "--device", args.device, "--steps", str(args.steps), "--seconds", str(args.seconds),
-           "--style", args.style, *(["--threads", str(args.threads)] if args.threads else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        model_name,
+        str(batch),
+        method,
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--seconds",
+        str(args.seconds),
+        "--style",
+        args.style,
+        *(["--threads", str(args.threads)] if args.threads else []),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
-                              check=False)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False
+        )
     except subprocess.TimeoutExpired:
         return Result(model_name, batch, method, f"timeout > {args.timeout} s")
     if done.returncode != 0:
@@ -270,8 +301,10 @@ def table(results: list[Result], methods: list[str]) -> str:
                 if r is not None:
                     notes.append(f"{model_name} B={batch} {method}: {r.status}")
                 continue
-            cells.append(f"{_ratio(r.time_s, base and base.time_s)} / "
-                         f"{_ratio(r.peak_mb, base and base.peak_mb)}")
+            cells.append(
+                f"{_ratio(r.time_s, base and base.time_s)} / "
+                f"{_ratio(r.peak_mb, base and base.peak_mb)}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else []))
 
@@ -283,20 +316,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS))
     parser.add_argument("--batches", nargs="+", type=int)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
-    parser.add_argument("--style", default="all_layer",
-                        choices=["all_layer", "layer_wise", "param_wise"])
+    parser.add_argument(
+        "--style", default="all_layer", choices=["all_layer", "layer_wise", "param_wise"]
+    )
     parser.add_argument("--steps", type=int, default=3, help="least timed steps per column")
-    parser.add_argument("--seconds", type=float, help="time steps until this long (default 3; "
-                        "quick 0.3)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, "
-                        "quick: 1); 1 is steadier on a shared machine, where threads waiting "
-                        "for each other stall the steps")
+    parser.add_argument(
+        "--seconds", type=float, help="time steps until this long (default 3; quick 0.3)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's own, "
+        "quick: 1); 1 is steadier on a shared machine, where threads waiting "
+        "for each other stall the steps",
+    )
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per column")
-    parser.add_argument("--max-gb", type=float, default=8.0,
-                        help="skip columns holding all per-sample gradients above this size")
-    parser.add_argument("--one", nargs=3, metavar=("MODEL", "BATCH", "METHOD"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--max-gb",
+        type=float,
+        default=8.0,
+        help="skip columns holding all per-sample gradients above this size",
+    )
+    parser.add_argument(
+        "--one", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.device is None:
         import torch
@@ -307,8 +351,16 @@ def main(argv: list[str] | None = None) -> None:
         args.threads = 1
     if args.one:
         model_name, batch, method = args.one
-        result = run_one(model_name, int(batch), method, args.device, args.steps, args.seconds,
-                         args.style, args.threads)
+        result = run_one(
+            model_name,
+            int(batch),
+            method,
+            args.device,
+            args.steps,
+            args.seconds,
+            args.style,
+            args.threads,
+        )
         print(json.dumps(asdict(result)))
         return
 
@@ -322,15 +374,24 @@ def main(argv: list[str] | None = None) -> None:
             for method in methods:
                 need_gb = batch * params * 4 / 2**30
                 if method in MATERIALIZING and need_gb > args.max_gb:
-                    result = Result(model_name, batch, method,
-                                    f"skipped: per-sample gradients need {need_gb:.1f} GB")
+                    result = Result(
+                        model_name,
+                        batch,
+                        method,
+                        f"skipped: per-sample gradients need {need_gb:.1f} GB",
+                    )
                 else:
                     result = _spawn(model_name, batch, method, args)
-                print(f"{model_name:12s} B={batch:<4d} {method:13s} {result.status:6.6s} "
-                      f"time={result.time_s} peak_mb={result.peak_mb}", file=sys.stderr)
+                print(
+                    f"{model_name:12s} B={batch:<4d} {method:13s} {result.status:6.6s} "
+                    f"time={result.time_s} peak_mb={result.peak_mb}",
+                    file=sys.stderr,
+                )
                 results.append(result)
-    print(f"device: {args.device}; threads: {args.threads or 'default'}; style: {args.style}; "
-          f"time = median of >= {args.steps} steps after warm-up\n")
+    print(
+        f"device: {args.device}; threads: {args.threads or 'default'}; style: {args.style}; "
+        f"time = median of >= {args.steps} steps after warm-up\n"
+    )
     print(table(results, methods))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))

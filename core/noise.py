@@ -27,8 +27,11 @@ def gradient_noise(method: MethodConfig, expected_batch_size: int, sigma: float)
     release = release_noise(method, expected_batch_size)
     if release is None:
         return sigma
-    field = ("method.adaptive.count_noise" if method.adaptive.rule == "andrew"  # type: ignore[union-attr]
-             else "method.adaptive.histogram_noise")
+    field = (
+        "method.adaptive.count_noise"
+        if method.adaptive.rule == "andrew"  # type: ignore[union-attr]
+        else "method.adaptive.histogram_noise"
+    )
     try:
         return split_noise(sigma, release)
     except ValueError as err:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 def sample_rate(expected_batch_size: int, num_examples: int) -> float:
     if expected_batch_size > num_examples:
-        raise ValueError(f"batch_size: expected batch size {expected_batch_size} exceeds the "
-                         f"{num_examples} training examples")
+        raise ValueError(
+            f"batch_size: expected batch size {expected_batch_size} exceeds the "
+            f"{num_examples} training examples"
+        )
     return expected_batch_size / num_examples
 
 

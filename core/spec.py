@@ -48,6 +48,7 @@ SEARCHABLE: dict[str, type[BaseModel]] = {
     "method.gamma": MethodConfig,
 }
 
+
 def _scalar(value: Any) -> bool | int | float | str:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must be a finite number")
@@ -98,7 +99,8 @@ def _dimension_kind(value: Any) -> str | None:
 
 
 Dimension = Annotated[
-    Annotated[Grid, Tag("<grid>")] | Annotated[Choice, Tag("<values>")]
+    Annotated[Grid, Tag("<grid>")]
+    | Annotated[Choice, Tag("<values>")]
     | Annotated[LogUniform, Tag("<log_uniform>")],
     Discriminator(
         _dimension_kind,
@@ -150,8 +152,17 @@ class Privacy(Strict):
             "lt": {"gamma", "expected_trials", "delta2", "hold_release"},
             "ps": {"mean", "eta", "max_trials", "hold_release"},
         }[self.accounting]
-        method_fields = {"trials", "max_retries", "gamma", "expected_trials", "delta2", "mean",
-                         "eta", "max_trials", "hold_release"}
+        method_fields = {
+            "trials",
+            "max_retries",
+            "gamma",
+            "expected_trials",
+            "delta2",
+            "mean",
+            "eta",
+            "max_trials",
+            "hold_release",
+        }
         # a field counts as given when it differs from its default, so that a stored spec
         # (dumped with every field) validates again
         given = {n for n in method_fields if getattr(self, n) != type(self).model_fields[n].default}
@@ -251,9 +262,15 @@ class JobSpec(Strict):
             part, name = path.split(".")
             parts[part][name] = value
         return TrialConfig(
-            dataset=dataset, model=self.model, validation=self.validation, epochs=self.epochs,
-            batch_size=self.batch_size, physical_batch_size=self.physical_batch_size,
-            noise_multiplier=noise_multiplier, delta=delta, **parts,
+            dataset=dataset,
+            model=self.model,
+            validation=self.validation,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            physical_batch_size=self.physical_batch_size,
+            noise_multiplier=noise_multiplier,
+            delta=delta,
+            **parts,
         )
 
     def grid_size(self) -> int:

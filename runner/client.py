@@ -16,8 +16,11 @@ class ControlPlane:
 
     def __init__(self, url: str, token: str, job_id: int, timeout_s: float = 60.0) -> None:
         self.base = f"{url.rstrip('/')}/internal/v1/jobs/{job_id}"
-        self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"},
-                                 timeout=timeout_s, transport=httpx.HTTPTransport(retries=5))
+        self.http = httpx.Client(
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            transport=httpx.HTTPTransport(retries=5),
+        )
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return self.http.request(method, self.base + path, **kwargs)
@@ -25,8 +28,9 @@ class ControlPlane:
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = self._request(method, path, **kwargs)
         if not response.is_success:
-            raise RuntimeError(f"control plane: {method} {path}: {response.status_code} "
-                               f"{response.text[:500]}")
+            raise RuntimeError(
+                f"control plane: {method} {path}: {response.status_code} {response.text[:500]}"
+            )
         return response
 
     def context(self) -> dict[str, Any]:
@@ -43,19 +47,29 @@ class ControlPlane:
         if response.status_code == httpx.codes.CONFLICT:
             raise AttemptRefused(response.json()["detail"])
         if not response.is_success:
-            raise RuntimeError(f"control plane: POST /attempts: {response.status_code} "
-                               f"{response.text[:500]}")
+            raise RuntimeError(
+                f"control plane: POST /attempts: {response.status_code} {response.text[:500]}"
+            )
         return int(response.json()["attempt"])
 
     def progress(self, attempt: int, steps: int, metrics: list[dict[str, Any]]) -> None:
-        self._call("POST", f"/attempts/{attempt}/progress",
-                   json={"steps": steps, "metrics": metrics})
+        self._call(
+            "POST", f"/attempts/{attempt}/progress", json={"steps": steps, "metrics": metrics}
+        )
 
-    def finish(self, attempt: int, status: str, steps: int, score: float | None = None,
-               thresholds: list[float] | None = None) -> None:
-        self._call("POST", f"/attempts/{attempt}/finish",
-                   json={"status": status, "steps": steps, "score": score,
-                         "thresholds": thresholds})
+    def finish(
+        self,
+        attempt: int,
+        status: str,
+        steps: int,
+        score: float | None = None,
+        thresholds: list[float] | None = None,
+    ) -> None:
+        self._call(
+            "POST",
+            f"/attempts/{attempt}/finish",
+            json={"status": status, "steps": steps, "score": score, "thresholds": thresholds},
+        )
 
     def fail_open(self, index: int) -> None:
         """Trial ``index``'s process died: fail its attempts that never reported an end."""
@@ -64,8 +78,12 @@ class ControlPlane:
     def upload_model(self, index: int, weights: bytes) -> None:
         """Release trial ``index``'s weights (safetensors); the control plane checks that it is
         the job's best finished trial."""
-        self._call("PUT", f"/trials/{index}/model", content=weights,
-                   headers={"content-type": "application/octet-stream"})
+        self._call(
+            "PUT",
+            f"/trials/{index}/model",
+            content=weights,
+            headers={"content-type": "application/octet-stream"},
+        )
 
     def end(self, state: str, error: str | None = None) -> None:
         self._call("POST", "/end", json={"state": state, "error": error})

@@ -40,22 +40,36 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
         api.start()
         k = method.draw_trials(SecureStream().numpy)  # from OS entropy, never a seed
     else:
-        cands = candidates(spec["search_space"], spec["privacy"].get("trials") or 1,
-                           spec["seed"] or 0)
+        cands = candidates(
+            spec["search_space"], spec["privacy"].get("trials") or 1, spec["seed"] or 0
+        )
         k = len(cands)
-    return JobContext(job_id, settings.control_url, settings.job_token.get_secret_value(),
-                      settings.data_dir.resolve(), spec, plan,
-                      DatasetConfig.model_validate(job["dataset"]), k, cands)
+    return JobContext(
+        job_id,
+        settings.control_url,
+        settings.job_token.get_secret_value(),
+        settings.data_dir.resolve(),
+        spec,
+        plan,
+        DatasetConfig.model_validate(job["dataset"]),
+        k,
+        cands,
+    )
 
 
 def _tune(ctx: JobContext) -> dict[int, float]:
     """Run the trials; the DP selection scores of those that finished, by trial index."""
     resources = ctx.spec["resources"]
-    retries = (0 if tuning_method(ctx.plan["method"]).random_stopping
-               else ctx.spec["privacy"]["max_retries"])
+    retries = (
+        0
+        if tuning_method(ctx.plan["method"]).random_stopping
+        else ctx.spec["privacy"]["max_retries"]
+    )
     tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(run_candidate, ctx=ctx),
-                            {"cpu": resources["cpu"], "gpu": resources["gpu"]}),
+        tune.with_resources(
+            tune.with_parameters(run_candidate, ctx=ctx),
+            {"cpu": resources["cpu"], "gpu": resources["gpu"]},
+        ),
         param_space={"index": tune.grid_search(list(range(ctx.trials)))},
         run_config=tune.RunConfig(
             name=f"dptune-job-{ctx.job_id}",
@@ -65,8 +79,11 @@ def _tune(ctx: JobContext) -> dict[int, float]:
             verbose=1,
         ),
     )
-    return {int(r.config["index"]): float(r.metrics["score"]) for r in tuner.fit()
-            if r.error is None and r.metrics and r.metrics.get("done")}
+    return {
+        int(r.config["index"]): float(r.metrics["score"])
+        for r in tuner.fit()
+        if r.error is None and r.metrics and r.metrics.get("done")
+    }
 
 
 def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) -> str:

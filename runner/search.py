@@ -49,8 +49,9 @@ def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -
     ]
 
 
-def random_candidate(search_space: dict[str, dict[str, Any]],
-                     rng: np.random.Generator | None = None) -> Candidate:
+def random_candidate(
+    search_space: dict[str, dict[str, Any]], rng: np.random.Generator | None = None
+) -> Candidate:
     """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
     rng = rng or SecureStream().numpy
     return {path: _draw(dimension, rng) for path, dimension in search_space.items()}

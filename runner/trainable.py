@@ -63,7 +63,8 @@ def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
     """A candidate's trial with the job's planned noise. All of its privacy randomness comes
     from fresh OS entropy inside the trial (:mod:`workers.dp.randomness`)."""
     return JobSpec.model_validate(ctx.spec).trial_config(
-        ctx.dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], params)
+        ctx.dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], params
+    )
 
 
 def _candidate(ctx: JobContext, index: int) -> Candidate:
@@ -93,13 +94,15 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         steps_run = t
 
     def on_epoch(rows: list[dict[str, Any]]) -> None:
-        api.progress(attempt, steps_run,
-                     [{**r, "public": r["visibility"] == "public"} for r in rows])
+        api.progress(
+            attempt, steps_run, [{**r, "public": r["visibility"] == "public"} for r in rows]
+        )
         tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
 
     try:
-        outcome = run_trial(trial_config(ctx, params), on_step=on_step, on_epoch=on_epoch,
-                            data_dir=ctx.data_dir)
+        outcome = run_trial(
+            trial_config(ctx, params), on_step=on_step, on_epoch=on_epoch, data_dir=ctx.data_dir
+        )
     except BaseException as error:
         api.finish(attempt, "failed", steps_run)
         log.error("trial %d failed: %s", index, error)
@@ -107,10 +110,12 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     result = outcome.result
     path = ctx.weights_path(index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()},
-              str(path))
-    api.finish(attempt, "succeeded", result["steps"], result["score"]["value"],
-               result["thresholds"])
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()}, str(path)
+    )
+    api.finish(
+        attempt, "succeeded", result["steps"], result["score"]["value"], result["thresholds"]
+    )
     tune.report({"steps": result["steps"], "score": result["score"]["value"], "done": True})
 
 

@@ -68,8 +68,9 @@ def _check_covered(job: Job, trial: Trial | None, index: int) -> None:
         raise AttemptRefused(f"trial {index} has used its {retries} reserved retries")
 
 
-def record_progress(session: Session, attempt_id: int, steps: int,
-                    metrics: list[dict[str, Any]]) -> None:
+def record_progress(
+    session: Session, attempt_id: int, steps: int, metrics: list[dict[str, Any]]
+) -> None:
     """Record an attempt's progress as it happens: steps run so far and new metric rows
     (``{"name", "value", "epoch", "public"}``; ``public`` marks what analysts may see)."""
     begin_write(session)
@@ -134,8 +135,9 @@ def release_model(
     relative = Path("artifacts") / f"job-{trial.job_id}.safetensors"
     path = data_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"config": json.dumps(config),
-                                            "dataset": json.dumps(dataset)})
+    save_file(
+        tensors, str(path), metadata={"config": json.dumps(config), "dataset": json.dumps(dataset)}
+    )
     artifact = Artifact(
         job_id=trial.job_id,
         trial_id=trial.id,

@@ -36,8 +36,9 @@ def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create_key(session: Session, name: str, role: Role, datasets: list[Dataset],
-               secret: str | None = None) -> tuple[ApiKey, str]:
+def create_key(
+    session: Session, name: str, role: Role, datasets: list[Dataset], secret: str | None = None
+) -> tuple[ApiKey, str]:
     """Add a key and return it with its secret, which is not stored and cannot be recovered."""
     secret = secret or KEY_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey(name=name, role=role, secret_sha256=digest(secret), datasets=datasets)

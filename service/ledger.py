@@ -56,8 +56,9 @@ def _epsilon(amounts: list[np.ndarray], delta: float) -> float:
     return accounting.dataset_epsilon(curves, [(float(total[_N]), float(total[_N + 1]))], delta)
 
 
-def append(session: Session, job: Job, kind: str, reference: str, vec: np.ndarray,
-           note: str = "") -> LedgerEntry:
+def append(
+    session: Session, job: Job, kind: str, reference: str, vec: np.ndarray, note: str = ""
+) -> LedgerEntry:
     entry = LedgerEntry(
         dataset_id=job.dataset_id,
         job_id=job.id,
@@ -159,8 +160,14 @@ def settle(session: Session, job: Job, *, charge_reservation: bool = False) -> N
     if not left.any():
         return
     if charge_reservation:
-        append(session, job, "charge", f"job:{job.id}:unaccounted", left,
-               "job lost: the rest of its reservation is charged")
+        append(
+            session,
+            job,
+            "charge",
+            f"job:{job.id}:unaccounted",
+            left,
+            "job lost: the rest of its reservation is charged",
+        )
     else:
         append(session, job, "release", f"job:{job.id}:release", left, "unused reservation")
 
@@ -187,5 +194,8 @@ def trial_rdp(job: Job) -> np.ndarray:
     """One trial's RDP curve, recomputed from the job's stored plan."""
     plan = job.plan
     return accounting.TrialMechanism(
-        sample_rate=plan["sample_rate"], noise_multiplier=plan["noise_multiplier"],
-        steps=plan["steps"], validation_noise=plan["validation_noise"]).rdp()
+        sample_rate=plan["sample_rate"],
+        noise_multiplier=plan["noise_multiplier"],
+        steps=plan["steps"],
+        validation_noise=plan["validation_noise"],
+    ).rdp()

@@ -92,8 +92,14 @@ def admit(
         )
         session.add(job)
         session.flush()
-        ledger.append(session, job, "reservation", f"job:{job.id}:reservation", vec,
-                      f"{spec.privacy.accounting} job, planned ε = {planned.plan.epsilon:.4g}")
+        ledger.append(
+            session,
+            job,
+            "reservation",
+            f"job:{job.id}:reservation",
+            vec,
+            f"{spec.privacy.accounting} job, planned ε = {planned.plan.epsilon:.4g}",
+        )
         session.commit()
         return job, True
     except BaseException:
@@ -142,8 +148,12 @@ def reconcile(session: Session, orchestrator: Orchestrator, *, startup: bool = F
         apply_state(session, job_id, state)
     if startup:
         for job_id in (job_id for job_id, at in rows if at is None):
-            apply_state(session, job_id, JobState.FAILED, "never submitted: the service "
-                        "stopped before handing the job to the orchestrator")
+            apply_state(
+                session,
+                job_id,
+                JobState.FAILED,
+                "never submitted: the service stopped before handing the job to the orchestrator",
+            )
 
 
 def apply_state(session: Session, job_id: int, state: JobState, error: str | None = None) -> None:

@@ -26,8 +26,13 @@ class JobState(StrEnum):
 
     @property
     def terminal(self) -> bool:
-        return self in {JobState.SUCCEEDED, JobState.RELEASED, JobState.FAILED,
-                        JobState.CANCELLED, JobState.LOST}
+        return self in {
+            JobState.SUCCEEDED,
+            JobState.RELEASED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.LOST,
+        }
 
 
 @dataclass(frozen=True)

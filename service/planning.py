@@ -100,8 +100,9 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    mechanism = accounting.TrialMechanism(sample_rate=q, noise_multiplier=sigma, steps=steps,
-                                          validation_noise=noise)
+    mechanism = accounting.TrialMechanism(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=noise
+    )
     trial = mechanism.rdp()
     plan = Plan(
         accounting=privacy.accounting,
@@ -136,20 +137,25 @@ def _job_delta(
     if privacy.delta is not None:
         return privacy.delta, {}
     if privacy.accounting != "lt":
-        return dataset.delta, {"privacy.delta": (
-            f"{dataset.delta:g}, the dataset's δ: {privacy.accounting} charges are RDP curves "
-            "that compose with the dataset's other charges, all stated at the dataset's δ."
-        )}
+        return dataset.delta, {
+            "privacy.delta": (
+                f"{dataset.delta:g}, the dataset's δ: {privacy.accounting} charges are RDP curves "
+                "that compose with the dataset's other charges, all stated at the dataset's δ."
+            )
+        }
     free = dataset.delta - ledger.budget(session, dataset).delta_held
     if free <= 0:
-        raise PlanError("privacy.delta", "(ε, δ) charges already hold all of the dataset's δ "
-                        f"{dataset.delta:g}")
+        raise PlanError(
+            "privacy.delta", f"(ε, δ) charges already hold all of the dataset's δ {dataset.delta:g}"
+        )
     delta = LT_DELTA_SHARE * free
-    return delta, {"privacy.delta": (
-        f"{delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges "
-        f"({free:.3g}): Liu–Talwar's δ is charged by basic composition, so it is taken out of "
-        "the dataset's δ, and the rest is left for later jobs."
-    )}
+    return delta, {
+        "privacy.delta": (
+            f"{delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges "
+            f"({free:.3g}): Liu–Talwar's δ is charged by basic composition, so it is taken out of "
+            "the dataset's δ, and the rest is left for later jobs."
+        )
+    }
 
 
 def _tuning_method(
@@ -175,8 +181,9 @@ def _tuning_method(
             raise PlanError("privacy.delta2", f"must be below the job's δ {delta}")
         lt = accounting.LiuTalwar(gamma=gamma, delta2=delta2)
         if lt.max_trials > MAX_TRIALS:
-            raise PlanError("privacy.gamma", f"the cap on trials {lt.max_trials} exceeds "
-                            f"{MAX_TRIALS}")
+            raise PlanError(
+                "privacy.gamma", f"the cap on trials {lt.max_trials} exceeds {MAX_TRIALS}"
+            )
         return lt, defaults
     eta = None if privacy.eta == "poisson" else privacy.eta
     # the ledger states the cap at the dataset's budget ε, the job at most at its target ε
@@ -204,12 +211,16 @@ def _trial_count(spec: JobSpec, method: accounting.TuningMethod) -> TrialCount:
     """How many trials the job runs: fixed K, or its distribution and cap."""
     match method:
         case accounting.LiuTalwar():
-            return TrialCount(distribution="geometric_stopping", mean=1 / method.gamma,
-                              max=method.max_trials)
+            return TrialCount(
+                distribution="geometric_stopping", mean=1 / method.gamma, max=method.max_trials
+            )
         case accounting.PapernotSteinke(max_trials=int(cap)):
-            return TrialCount(distribution="poisson" if method.eta is None
-                              else "truncated_negative_binomial", mean=method.mean, max=cap,
-                              eta=method.eta)
+            return TrialCount(
+                distribution="poisson" if method.eta is None else "truncated_negative_binomial",
+                mean=method.mean,
+                max=cap,
+                eta=method.eta,
+            )
     k = spec.trial_count()
     return TrialCount(distribution="fixed", mean=k, max=k)
 

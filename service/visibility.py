@@ -128,8 +128,11 @@ def _outcome_shown(job: Job, caller: Principal) -> bool:
 def _first_attempt(job: Job) -> TrialAttempt | None:
     """Trial 0's first attempt, read on its own: loading every trial would make the time an
     analyst's request takes grow with K."""
-    query = (select(TrialAttempt).join(Trial, TrialAttempt.trial_id == Trial.id)
-             .where(Trial.job_id == job.id, Trial.index == 0, TrialAttempt.number == 1))
+    query = (
+        select(TrialAttempt)
+        .join(Trial, TrialAttempt.trial_id == Trial.id)
+        .where(Trial.job_id == job.id, Trial.index == 0, TrialAttempt.number == 1)
+    )
     return _session(job).execute(query).scalar_one_or_none()
 
 
@@ -173,8 +176,9 @@ def _progress(job: Job, caller: Principal, shown: list[Trial]) -> Progress:
     done = sum(t.status in ("succeeded", "failed") for t in shown)
     return Progress(
         trials_done=None if _k_secret(job, caller) else done,
-        trials_total=("random" if job.accounting in accounting.RANDOM_STOPPING
-                      else job.plan["trials"]["max"]),
+        trials_total=(
+            "random" if job.accounting in accounting.RANDOM_STOPPING else job.plan["trials"]["max"]
+        ),
         best_score=best,
     )
 
@@ -201,8 +205,10 @@ def cancel_refusal(job: Job, caller: Principal) -> str | None:
     release a model, would tell whether its trials were still running."""
     if _outcome_shown(job, caller):
         return None
-    return (f"job {job.id} holds its release (privacy.hold_release) and has started: it cannot "
-            "be cancelled before its outcome is shown; an operator can cancel it")
+    return (
+        f"job {job.id} holds its release (privacy.hold_release) and has started: it cannot "
+        "be cancelled before its outcome is shown; an operator can cancel it"
+    )
 
 
 def trials(job: Job, caller: Principal) -> list[TrialView]:
@@ -216,8 +222,11 @@ def trials(job: Job, caller: Principal) -> list[TrialView]:
     secret = _k_secret(job, caller)
     return [
         TrialView(
-            index=None if secret else t.index, params=t.params, score=t.score,
-            metrics=[m for m in t.metrics if m.get("public") is True], thresholds=t.thresholds,
+            index=None if secret else t.index,
+            params=t.params,
+            score=t.score,
+            metrics=[m for m in t.metrics if m.get("public") is True],
+            thresholds=t.thresholds,
             released=t.id == released,
         )
         for t in _shown_trials(job, caller, _outcome_shown(job, caller))
@@ -236,20 +245,33 @@ def _operator_trials(job: Job) -> list[TrialView]:
 
     return [
         TrialView(
-            index=t.index, params=t.params, score=t.score, metrics=t.metrics,
-            thresholds=t.thresholds, released=t.id == released, status=t.status,
-            steps=t.steps, epsilon=epsilon(len(t.attempts)),
-            attempts=[{"number": a.number, "status": a.status, "steps": a.steps,
-                       "started_at": a.started_at.isoformat(),
-                       "ended_at": a.ended_at.isoformat() if a.ended_at else None}
-                      for a in t.attempts],
+            index=t.index,
+            params=t.params,
+            score=t.score,
+            metrics=t.metrics,
+            thresholds=t.thresholds,
+            released=t.id == released,
+            status=t.status,
+            steps=t.steps,
+            epsilon=epsilon(len(t.attempts)),
+            attempts=[
+                {
+                    "number": a.number,
+                    "status": a.status,
+                    "steps": a.steps,
+                    "started_at": a.started_at.isoformat(),
+                    "ended_at": a.ended_at.isoformat() if a.ended_at else None,
+                }
+                for a in t.attempts
+            ],
         )
         for t in job.trials
     ]
 
 
-def ledger_entries(session: Session, caller: Principal, dataset: Dataset,
-                   entries: list[LedgerEntry]) -> list[EntryView]:
+def ledger_entries(
+    session: Session, caller: Principal, dataset: Dataset, entries: list[LedgerEntry]
+) -> list[EntryView]:
     """A dataset's ledger rows as the caller sees them; every analyst of the dataset sees its
     rows, which job a row belongs to only the job's owner. Rows of random-stopping jobs carry
     no time for analysts (when the bound was charged, at the first trial or at the end when
@@ -265,10 +287,16 @@ def ledger_entries(session: Session, caller: Principal, dataset: Dataset,
             continue
         identify = caller.is_operator or owner == caller.key_id
         eps = ledger.entry_epsilon(entry, dataset.delta)
-        views.append(EntryView(
-            id=entry.id, kind=entry.kind, reference=entry.reference if identify else None,
-            job=entry.job_id if identify else None,
-            epsilon=eps if math.isfinite(eps) else None, delta=entry.delta, note=entry.note,
-            created_at=None if secret else entry.created_at,
-        ))
+        views.append(
+            EntryView(
+                id=entry.id,
+                kind=entry.kind,
+                reference=entry.reference if identify else None,
+                job=entry.job_id if identify else None,
+                epsilon=eps if math.isfinite(eps) else None,
+                delta=entry.delta,
+                note=entry.note,
+                created_at=None if secret else entry.created_at,
+            )
+        )
     return views

@@ -36,16 +36,25 @@ def _modules(part: str) -> dict[str, set[str]]:
 
 
 def _offending(part: str, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{module} imports {name}" for module, names in _modules(part).items()
-                  for name in names if name.split(".")[0] in forbidden)
+    return sorted(
+        f"{module} imports {name}"
+        for module, names in _modules(part).items()
+        for name in names
+        if name.split(".")[0] in forbidden
+    )
 
 
-@pytest.mark.parametrize(("part", "forbidden"), [
-    ("core", ("torch", "ray", "sqlalchemy", "alembic", "fastapi", "service", "workers",
-              "runner")),
-    ("workers", ("ray", "sqlalchemy", "alembic", "fastapi", "service", "runner")),
-    ("service", ("runner", "ray.tune")),
-])
+@pytest.mark.parametrize(
+    ("part", "forbidden"),
+    [
+        (
+            "core",
+            ("torch", "ray", "sqlalchemy", "alembic", "fastapi", "service", "workers", "runner"),
+        ),
+        ("workers", ("ray", "sqlalchemy", "alembic", "fastapi", "service", "runner")),
+        ("service", ("runner", "ray.tune")),
+    ],
+)
 def test_part_imports_only_what_it_may(part: str, forbidden: tuple[str, ...]) -> None:
     assert _offending(part, forbidden) == []
 
@@ -60,8 +69,11 @@ def test_nothing_imports_the_runner() -> None:
 def test_planning_is_pure() -> None:
     """Planning a job (and so admission) needs no torch: the control plane plans without the
     engine's heavy dependencies."""
-    assert not {n for n in _imports(ROOT / "service" / "planning.py")
-                if n.split(".")[0] in ("torch", "workers")}
+    assert not {
+        n
+        for n in _imports(ROOT / "service" / "planning.py")
+        if n.split(".")[0] in ("torch", "workers")
+    }
 
 
 def test_every_part_exists() -> None:

@@ -63,8 +63,12 @@ def _split(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tupl
     order = np.random.default_rng(seed).permutation(len(y))
     cut = len(y) - round(val_fraction * len(y))
     tr, va = order[:cut], order[cut:]
-    return (torch.tensor(x[tr], dtype=torch.float32), torch.tensor(y[tr], dtype=torch.long),
-            torch.tensor(x[va], dtype=torch.float32), torch.tensor(y[va], dtype=torch.long))
+    return (
+        torch.tensor(x[tr], dtype=torch.float32),
+        torch.tensor(y[tr], dtype=torch.long),
+        torch.tensor(x[va], dtype=torch.float32),
+        torch.tensor(y[va], dtype=torch.long),
+    )
 
 
 def digits(options: Options) -> Dataset:
@@ -96,9 +100,15 @@ def mnist1d(options: Options) -> Dataset:
     def t(a: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.tensor(a, dtype=dtype)
 
-    return Dataset("mnist1d", t(raw["x"][:, None], torch.float32), t(raw["y"], torch.long), 10,
-                   t(raw["x_test"][:, None], torch.float32), t(raw["y_test"], torch.long),
-                   val_public=True)
+    return Dataset(
+        "mnist1d",
+        t(raw["x"][:, None], torch.float32),
+        t(raw["y"], torch.long),
+        10,
+        t(raw["x_test"][:, None], torch.float32),
+        t(raw["y_test"], torch.long),
+        val_public=True,
+    )
 
 
 def heavy_tail(options: Options) -> Dataset:
@@ -129,8 +139,10 @@ def npz(path: str, num_classes: int | None) -> Dataset:
     if not file.is_file():
         raise ValueError(f"dataset.source: no such file {path!r}")
     if num_classes is None:
-        raise ValueError("dataset.num_classes: required for npz datasets (the label set is "
-                         "declared, not read from private data)")
+        raise ValueError(
+            "dataset.num_classes: required for npz datasets (the label set is "
+            "declared, not read from private data)"
+        )
     with np.load(file, allow_pickle=False) as raw:
         arrays = {k: raw[k] for k in raw.files}
     for key in ("x", "y"):
@@ -138,18 +150,26 @@ def npz(path: str, num_classes: int | None) -> Dataset:
             raise ValueError(f"dataset.source: {path!r} has no array {key!r}")
     if ("x_val" in arrays) != ("y_val" in arrays):
         raise ValueError(f"dataset.source: {path!r} needs both x_val and y_val, or neither")
-    for key, x, y in [("y", arrays["x"], arrays["y"]),
-                      ("y_val", arrays.get("x_val"), arrays.get("y_val"))]:
-        if y is not None and (y.ndim != 1 or len(y) != len(x)
-                              or not np.issubdtype(y.dtype, np.integer)):
-            raise ValueError(f"dataset.source: {key} must be integer labels, one per row of "
-                             "the inputs")
+    for key, x, y in [
+        ("y", arrays["x"], arrays["y"]),
+        ("y_val", arrays.get("x_val"), arrays.get("y_val")),
+    ]:
+        if y is not None and (
+            y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer)
+        ):
+            raise ValueError(
+                f"dataset.source: {key} must be integer labels, one per row of the inputs"
+            )
     x_val = arrays.get("x_val")
-    return Dataset(file.stem, torch.tensor(arrays["x"], dtype=torch.float32),
-                   torch.tensor(arrays["y"], dtype=torch.long), num_classes,
-                   None if x_val is None else torch.tensor(x_val, dtype=torch.float32),
-                   None if x_val is None else torch.tensor(arrays["y_val"], dtype=torch.long),
-                   val_public=x_val is not None)
+    return Dataset(
+        file.stem,
+        torch.tensor(arrays["x"], dtype=torch.float32),
+        torch.tensor(arrays["y"], dtype=torch.long),
+        num_classes,
+        None if x_val is None else torch.tensor(x_val, dtype=torch.float32),
+        None if x_val is None else torch.tensor(arrays["y_val"], dtype=torch.long),
+        val_public=x_val is not None,
+    )
 
 
 BUILTINS = {"digits": digits, "mnist1d": mnist1d, "heavy_tail": heavy_tail}
@@ -166,12 +186,16 @@ def load_dataset(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
     else:
         dataset = BUILTINS[name](cfg.options)
         if cfg.num_classes not in (None, dataset.num_classes):
-            raise ValueError(f"dataset.num_classes: {cfg.source} has {dataset.num_classes} "
-                             f"classes, not {cfg.num_classes}")
+            raise ValueError(
+                f"dataset.num_classes: {cfg.source} has {dataset.num_classes} "
+                f"classes, not {cfg.num_classes}"
+            )
     check(dataset)
     if cfg.sha256 is not None and content_sha256(dataset) != cfg.sha256:
-        raise ValueError(f"dataset.sha256: the data of {cfg.source} changed since it was "
-                         "registered; its privacy cost was planned from the registered data")
+        raise ValueError(
+            f"dataset.sha256: the data of {cfg.source} changed since it was "
+            "registered; its privacy cost was planned from the registered data"
+        )
     return dataset
 
 
@@ -181,7 +205,7 @@ def _first_bad_row(bad: Tensor) -> int | None:
 
 
 def check(dataset: Dataset) -> None:
-    """DESIGN.md invariant 9: refuse non-finite features (a NaN or inf record would otherwise
+    """docs/design.md, invariant 9: refuse non-finite features (a NaN or inf record would otherwise
     reach the clipper — values beyond float32's range are inf once converted) and labels
     outside the declared label set, naming the array and its first offending row."""
     for key, x, y in [("x", dataset.x, dataset.y), ("x_val", dataset.x_val, dataset.y_val)]:
@@ -189,13 +213,17 @@ def check(dataset: Dataset) -> None:
             continue
         row = _first_bad_row(~torch.isfinite(x))
         if row is not None:
-            raise ValueError(f"dataset.source: {key}[{row}] has a non-finite value (NaN or "
-                             "±inf, or beyond float32's range)")
+            raise ValueError(
+                f"dataset.source: {key}[{row}] has a non-finite value (NaN or "
+                "±inf, or beyond float32's range)"
+            )
         label = "y" if key == "x" else "y_val"
         row = _first_bad_row((y < 0) | (y >= dataset.num_classes))
         if row is not None:
-            raise ValueError(f"dataset.source: {label}[{row}] = {int(y[row])} is outside the "
-                             f"declared label set 0…{dataset.num_classes - 1}")
+            raise ValueError(
+                f"dataset.source: {label}[{row}] = {int(y[row])} is outside the "
+                f"declared label set 0…{dataset.num_classes - 1}"
+            )
 
 
 def content_sha256(dataset: Dataset) -> str:
@@ -220,12 +248,18 @@ class DatasetInfo:
     sha256: str
 
 
-def describe(source: str, data_dir: Path | None = None, options: Options | None = None,
-             num_classes: int | None = None) -> DatasetInfo:
-    d = load_dataset(DatasetConfig(source=source, options=options or {},
-                                   num_classes=num_classes), data_dir)
-    return DatasetInfo(d.size, d.num_classes, d.input_shape, d.splits.get("val") == "public",
-                       content_sha256(d))
+def describe(
+    source: str,
+    data_dir: Path | None = None,
+    options: Options | None = None,
+    num_classes: int | None = None,
+) -> DatasetInfo:
+    d = load_dataset(
+        DatasetConfig(source=source, options=options or {}, num_classes=num_classes), data_dir
+    )
+    return DatasetInfo(
+        d.size, d.num_classes, d.input_shape, d.splits.get("val") == "public", content_sha256(d)
+    )
 
 
 def hold_out(dataset: Dataset, fraction: float, stream: SecureStream) -> Dataset:
@@ -238,5 +272,11 @@ def hold_out(dataset: Dataset, fraction: float, stream: SecureStream) -> Dataset
     with N, so neighbouring datasets would train on sets that differ by a replacement."""
     held = stream.bernoulli(dataset.size, fraction)
     train, val = (~held).nonzero().squeeze(1), held.nonzero().squeeze(1)
-    return replace(dataset, x=dataset.x[train], y=dataset.y[train],
-                   x_val=dataset.x[val], y_val=dataset.y[val], val_public=False)
+    return replace(
+        dataset,
+        x=dataset.x[train],
+        y=dataset.y[train],
+        x_val=dataset.x[val],
+        y_val=dataset.y[val],
+        val_public=False,
+    )

@@ -1,6 +1,6 @@
 """Evaluation and the private selection score.
 
-DESIGN.md invariants 4 and 5: metrics computed on private data are operator-only; the score
+docs/design.md, invariant 4 and 5: metrics computed on private data are operator-only; the score
 used to select a trial comes from a public split, or from the private one through the Gaussian
 mechanism below, whose RDP (``gaussian_rdp(noise)``) is part of the trial's cost.
 """
@@ -41,8 +41,9 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> 
     return Evaluation(loss / max(len(y), 1), int((pred == y).sum()), len(y), pred)
 
 
-def noisy_accuracy(correct: int, expected_total: float, noise: float,
-                   stream: SecureStream) -> float:
+def noisy_accuracy(
+    correct: int, expected_total: float, noise: float, stream: SecureStream
+) -> float:
     """(correct + N(0, noise²)) / expected_total: the number of correct predictions has
     sensitivity 1 under adding/removing (or replacing) one validation example, so this
     release is the Gaussian mechanism with noise multiplier ``noise``. The divisor is the

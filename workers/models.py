@@ -32,8 +32,10 @@ def _int(options: Options, key: str, default: int) -> int:
 
 def _spatial(shape: Shape, name: str) -> int:
     if len(shape) not in (2, 3):
-        raise ValueError(f"model.name: {name!r} needs signal [C, L] or image [C, H, W] inputs, "
-                         f"got shape {list(shape)}")
+        raise ValueError(
+            f"model.name: {name!r} needs signal [C, L] or image [C, H, W] inputs, "
+            f"got shape {list(shape)}"
+        )
     return len(shape) - 1
 
 
@@ -76,26 +78,45 @@ def cnn(shape: Shape, classes: int, options: Options) -> nn.Module:
     dims = _spatial(shape, "cnn")
     conv, pool = _conv(dims), _pool(dims)
     if min(shape[1:]) >= 28:
-        features = nn.Sequential(conv(shape[0], 16, 8, 2, padding=3), nn.ReLU(), pool(2, 1),
-                                 conv(16, 32, 4, 2), nn.ReLU(), pool(2, 1), nn.Flatten())
+        features = nn.Sequential(
+            conv(shape[0], 16, 8, 2, padding=3),
+            nn.ReLU(),
+            pool(2, 1),
+            conv(16, 32, 4, 2),
+            nn.ReLU(),
+            pool(2, 1),
+            nn.Flatten(),
+        )
     else:
-        features = nn.Sequential(conv(shape[0], 16, 3, padding=1), nn.ReLU(), pool(2),
-                                 conv(16, 32, 3, padding=1), nn.ReLU(), pool(2), nn.Flatten())
-    return nn.Sequential(features, nn.Linear(_flat_size(features, shape), 32), nn.ReLU(),
-                         nn.Linear(32, classes))
+        features = nn.Sequential(
+            conv(shape[0], 16, 3, padding=1),
+            nn.ReLU(),
+            pool(2),
+            conv(16, 32, 3, padding=1),
+            nn.ReLU(),
+            pool(2),
+            nn.Flatten(),
+        )
+    return nn.Sequential(
+        features, nn.Linear(_flat_size(features, shape), 32), nn.ReLU(), nn.Linear(32, classes)
+    )
 
 
 class BasicBlock(nn.Module):
-    def __init__(self, dims: int, cin: int, cout: int, stride: int,
-                 norm: Callable[[int], nn.Module]) -> None:
+    def __init__(
+        self, dims: int, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]
+    ) -> None:
         super().__init__()
         conv = _conv(dims)
         self.conv1 = conv(cin, cout, 3, stride, padding=1, bias=False)
         self.norm1 = norm(cout)
         self.conv2 = conv(cout, cout, 3, 1, padding=1, bias=False)
         self.norm2 = norm(cout)
-        self.shortcut = (nn.Sequential(conv(cin, cout, 1, stride, bias=False), norm(cout))
-                         if stride != 1 or cin != cout else nn.Identity())
+        self.shortcut = (
+            nn.Sequential(conv(cin, cout, 1, stride, bias=False), norm(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.norm1(self.conv1(x)))
@@ -114,8 +135,11 @@ def resnet(blocks: list[int]) -> Callable[[Shape, int, Options], nn.Module]:
         def norm(c: int) -> nn.Module:
             return nn.GroupNorm(math.gcd(groups, max(1, c // 2)), c)
 
-        layers: list[nn.Module] = [_conv(dims)(shape[0], width, 3, 1, padding=1, bias=False),
-                                   norm(width), nn.ReLU()]
+        layers: list[nn.Module] = [
+            _conv(dims)(shape[0], width, 3, 1, padding=1, bias=False),
+            norm(width),
+            nn.ReLU(),
+        ]
         cin = width
         for stage, count in enumerate(blocks):
             cout = width * 2**stage
@@ -170,8 +194,9 @@ class LSTMClassifier(nn.Module):
     def __init__(self, features: int, hidden: int, layers: int, classes: int) -> None:
         super().__init__()
         self.to_sequence = ToSequence()
-        self.layers = nn.Sequential(*[LSTMLayer(features if i == 0 else hidden, hidden)
-                                      for i in range(layers)])
+        self.layers = nn.Sequential(
+            *[LSTMLayer(features if i == 0 else hidden, hidden) for i in range(layers)]
+        )
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -181,8 +206,9 @@ class LSTMClassifier(nn.Module):
 def lstm(shape: Shape, classes: int, options: Options) -> nn.Module:
     """An LSTM (``hidden`` 64, ``layers`` 1) read out at the last step."""
     _, features = _sequence_shape(shape, "lstm")
-    return LSTMClassifier(features, _int(options, "hidden", 64), _int(options, "layers", 1),
-                          classes)
+    return LSTMClassifier(
+        features, _int(options, "hidden", 64), _int(options, "layers", 1), classes
+    )
 
 
 class EncoderBlock(nn.Module):
@@ -204,8 +230,9 @@ class EncoderBlock(nn.Module):
 
 
 class TransformerClassifier(nn.Module):
-    def __init__(self, length: int, features: int, classes: int, dim: int, heads: int,
-                 layers: int, ff: int) -> None:
+    def __init__(
+        self, length: int, features: int, classes: int, dim: int, heads: int, layers: int, ff: int
+    ) -> None:
         super().__init__()
         self.to_sequence = ToSequence()
         self.embed = nn.Linear(features, dim)
@@ -228,24 +255,38 @@ def transformer(shape: Shape, classes: int, options: Options) -> nn.Module:
     dim, heads = _int(options, "dim", 64), _int(options, "heads", 4)
     if dim % heads:
         raise ValueError("model.options.heads: must divide model.options.dim")
-    return TransformerClassifier(length, features, classes, dim, heads,
-                                 _int(options, "layers", 2), _int(options, "ff", 128))
+    return TransformerClassifier(
+        length, features, classes, dim, heads, _int(options, "layers", 2), _int(options, "ff", 128)
+    )
 
 
 BUILDERS: dict[str, Callable[[Shape, int, Options], nn.Module]] = {
-    "logreg": logreg, "mlp": mlp, "cnn": cnn, "resnet18": resnet([2, 2, 2, 2]),
-    "resnet34": resnet([3, 4, 6, 3]), "lstm": lstm, "transformer": transformer,
+    "logreg": logreg,
+    "mlp": mlp,
+    "cnn": cnn,
+    "resnet18": resnet([2, 2, 2, 2]),
+    "resnet34": resnet([3, 4, 6, 3]),
+    "lstm": lstm,
+    "transformer": transformer,
 }
 
 #: Options each model reads; anything else is rejected with the option's name.
-OPTIONS = {"logreg": {"bias"}, "mlp": {"hidden", "layers"}, "cnn": set(),
-           "resnet18": {"width", "norm_groups"}, "resnet34": {"width", "norm_groups"},
-           "lstm": {"hidden", "layers"}, "transformer": {"dim", "heads", "layers", "ff"}}
+OPTIONS = {
+    "logreg": {"bias"},
+    "mlp": {"hidden", "layers"},
+    "cnn": set(),
+    "resnet18": {"width", "norm_groups"},
+    "resnet34": {"width", "norm_groups"},
+    "lstm": {"hidden", "layers"},
+    "transformer": {"dim", "heads", "layers", "ff"},
+}
 
 
 def build_model(cfg: ModelConfig, input_shape: Shape, num_classes: int) -> nn.Module:
     unknown = set(cfg.options) - OPTIONS[cfg.name]
     if unknown:
-        raise ValueError(f"model.options.{sorted(unknown)[0]}: not an option of {cfg.name!r} "
-                         f"(allowed: {sorted(OPTIONS[cfg.name])})")
+        raise ValueError(
+            f"model.options.{sorted(unknown)[0]}: not an option of {cfg.name!r} "
+            f"(allowed: {sorted(OPTIONS[cfg.name])})"
+        )
     return BUILDERS[cfg.name](input_shape, num_classes, cfg.options)

@@ -3,7 +3,7 @@
 ``python -m workers.trial --config trial.json --out result.json`` runs one trial with a progress
 bar; :func:`run_trial` is the same thing for the Ray trainable. The result holds the privacy
 parameters and cost, the per-step thresholds of adaptive rules, per-epoch metrics each marked
-``public`` or ``private`` (private ones are operator-only, DESIGN.md invariant 4) and the
+``public`` or ``private`` (private ones are operator-only, docs/design.md, invariant 4) and the
 selection score (invariant 5).
 """
 
@@ -66,8 +66,10 @@ def _validation_data(cfg: TrialConfig, dataset: Dataset, stream: SecureStream) -
     if cfg.validation.split == "private":
         return hold_out(dataset, cfg.validation.fraction, stream)
     if dataset.x_val is None or not dataset.val_public:
-        raise ValueError(f"validation.split: dataset {dataset.name!r} has no public validation "
-                         "split; use 'private' (with validation.noise)")
+        raise ValueError(
+            f"validation.split: dataset {dataset.name!r} has no public validation "
+            "split; use 'private' (with validation.noise)"
+        )
     return dataset
 
 
@@ -107,41 +109,63 @@ def plan_privacy(cfg: TrialConfig, size: int) -> Privacy:
     noise = cfg.validation.noise
     val_rdp = gaussian_rdp(noise) if cfg.validation.split == "private" and noise else None
     sigma = cfg.noise_multiplier or calibrate_noise(
-        q, steps, cfg.target_epsilon, cfg.delta, extra_rdp=val_rdp)  # type: ignore[arg-type]
+        q, steps, cfg.target_epsilon, cfg.delta, extra_rdp=val_rdp
+    )  # type: ignore[arg-type]
     return Privacy(q, steps, sigma, gradient_noise(cfg.method, cfg.batch_size, sigma), val_rdp)
 
 
-def _engine(cfg: TrialConfig, model: nn.Module, privacy: Privacy,
-            randomness: TrialRandomness) -> PrivateStep:
-    groups = resolve_groups(model, cfg.method.groups if cfg.method.style == "groups"
-                            else cfg.method.style)
+def _engine(
+    cfg: TrialConfig, model: nn.Module, privacy: Privacy, randomness: TrialRandomness
+) -> PrivateStep:
+    groups = resolve_groups(
+        model, cfg.method.groups if cfg.method.style == "groups" else cfg.method.style
+    )
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    rule = build_rule(cfg.method, expected_batch_size=cfg.batch_size, steps=privacy.steps,
-                      grad_noise=privacy.grad_noise, num_params=num_params,
-                      stream=randomness.release)
-    return PrivateStep(model, nn.CrossEntropyLoss(reduction="none"), groups,
-                       get_clipper(cfg.method.per_sample), clipping=cfg.method.clipping,
-                       gamma=cfg.method.gamma, rule=rule, grad_noise=privacy.grad_noise,
-                       expected_batch_size=cfg.batch_size,
-                       optimizer=build_optimizer(cfg.optimizer, model),
-                       noise=randomness.gradient)
+    rule = build_rule(
+        cfg.method,
+        expected_batch_size=cfg.batch_size,
+        steps=privacy.steps,
+        grad_noise=privacy.grad_noise,
+        num_params=num_params,
+        stream=randomness.release,
+    )
+    return PrivateStep(
+        model,
+        nn.CrossEntropyLoss(reduction="none"),
+        groups,
+        get_clipper(cfg.method.per_sample),
+        clipping=cfg.method.clipping,
+        gamma=cfg.method.gamma,
+        rule=rule,
+        grad_noise=privacy.grad_noise,
+        expected_batch_size=cfg.batch_size,
+        optimizer=build_optimizer(cfg.optimizer, model),
+        noise=randomness.gradient,
+    )
 
 
-def _score(cfg: TrialConfig, model: nn.Module, data: Dataset, registered_size: int,
-           stream: SecureStream) -> dict[str, Any]:
+def _score(
+    cfg: TrialConfig, model: nn.Module, data: Dataset, registered_size: int, stream: SecureStream
+) -> dict[str, Any]:
     """The selection score: public validation accuracy, or the private one released through
-    the Gaussian mechanism (DESIGN.md invariant 5), divided by the hold-out's expected size."""
+    the Gaussian mechanism (docs/design.md, invariant 5), divided by the hold-out's expected
+    size."""
     val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
     noise = cfg.validation.noise if cfg.validation.split == "private" else None
-    value = (val.accuracy if noise is None else
-             noisy_accuracy(val.correct, cfg.validation.fraction * registered_size, noise,
-                            stream))
-    return {"name": "val_accuracy", "value": value, "split": cfg.validation.split,
-            "noise": noise}
+    value = (
+        val.accuracy
+        if noise is None
+        else noisy_accuracy(val.correct, cfg.validation.fraction * registered_size, noise, stream)
+    )
+    return {"name": "val_accuracy", "value": value, "split": cfg.validation.split, "noise": noise}
 
 
-def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
-              on_epoch: EpochCallback | None = None, data_dir: Path | None = None) -> TrialOutcome:
+def run_trial(
+    cfg: TrialConfig,
+    on_step: StepCallback | None = None,
+    on_epoch: EpochCallback | None = None,
+    data_dir: Path | None = None,
+) -> TrialOutcome:
     """Train one model; ``on_step(t, T)`` after each logical step (what ran so far is what
     must be charged), ``on_epoch(rows)`` with each epoch's metric rows; relative ``npz:``
     paths are resolved against ``data_dir``."""
@@ -151,18 +175,24 @@ def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
     full = load_dataset(cfg.dataset, data_dir)
     privacy = plan_privacy(cfg, full.size)  # before any hold-out: see workers.dp.sampling
     data = _validation_data(cfg, full, randomness.holdout)
-    data = replace(data, x=data.x.to(device), y=data.y.to(device),
-                   x_val=data.x_val.to(device), y_val=data.y_val.to(device))  # type: ignore[union-attr]
+    data = replace(
+        data,
+        x=data.x.to(device),
+        y=data.y.to(device),
+        x_val=data.x_val.to(device),
+        y_val=data.y_val.to(device),
+    )  # type: ignore[union-attr]
     torch.manual_seed(randomness.init_seed())
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     engine = _engine(cfg, model, privacy, randomness)
 
     thresholds, metrics = [], []
-    batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps,
-                              randomness.sampling)
+    batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, randomness.sampling)
     for t, indices in enumerate(batches):
-        chunks = [(data.x[i], data.y[i])
-                  for i in micro_batches(indices.to(device), cfg.physical_batch_size)]
+        chunks = [
+            (data.x[i], data.y[i])
+            for i in micro_batches(indices.to(device), cfg.physical_batch_size)
+        ]
         thresholds.append(engine.step(chunks, t).threshold)
         if on_step:
             on_step(t + 1, privacy.steps)
@@ -176,8 +206,13 @@ def run_trial(cfg: TrialConfig, on_step: StepCallback | None = None,
     epsilon, order = privacy.epsilon(cfg.delta)
     result = {
         "config": cfg.model_dump(mode="json"),
-        "dataset": {"name": data.name, "size": full.size, "train_size": data.size,
-                    "classes": data.num_classes, "splits": data.splits},
+        "dataset": {
+            "name": data.name,
+            "size": full.size,
+            "train_size": data.size,
+            "classes": data.num_classes,
+            "splits": data.splits,
+        },
         "sample_rate": privacy.sample_rate,
         "steps": privacy.steps,
         "noise_multiplier": privacy.noise_multiplier,
@@ -211,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrialConfig.model_validate_json(args.config.read_text())
         with Progress(transient=True) as progress:
             task = progress.add_task("DP training", total=None)
-            outcome = run_trial(cfg, on_step=lambda t, total: progress.update(
-                task, completed=t, total=total))
+            outcome = run_trial(
+                cfg, on_step=lambda t, total: progress.update(task, completed=t, total=total)
+            )
     except ValidationError as err:
         print(f"invalid config: {_error_message(err)}", file=sys.stderr)
         return 2
@@ -221,9 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.write_text(json.dumps(outcome.result, indent=2))
     r = outcome.result
-    print(f"{r['steps']} steps, σ = {r['noise_multiplier']:.3f}, ε = {r['epsilon']:.3f} at "
-          f"δ = {r['delta']:g}, score ({r['score']['split']}) = {r['score']['value']:.4f}, "
-          f"{r['wall_time_s']:.1f}s on {r['device']}")
+    print(
+        f"{r['steps']} steps, σ = {r['noise_multiplier']:.3f}, ε = {r['epsilon']:.3f} at "
+        f"δ = {r['delta']:g}, score ({r['score']['split']}) = {r['score']['value']:.4f}, "
+        f"{r['wall_time_s']:.1f}s on {r['device']}"
+    )
     return 0
 
 

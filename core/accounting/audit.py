@@ -51,8 +51,14 @@ def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: fl
     return min(beta + 2 * canaries * delta * alpha, 1.0)
 
 
-def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
-                        confidence: float = 0.95, tolerance: float = 1e-6) -> float:
+def epsilon_lower_bound(
+    canaries: int,
+    guesses: int,
+    correct: int,
+    delta: float,
+    confidence: float = 0.95,
+    tolerance: float = 1e-6,
+) -> float:
     """The largest ε whose (ε, δ) claim :func:`p_value` rejects at ``confidence``, within
     ``tolerance``; 0 when even ε = 0 is not rejected.
 
@@ -91,11 +97,12 @@ def correct_guesses(scores: np.ndarray, included: np.ndarray, guesses: int) -> i
     _check_counts(len(scores), guesses, 0)
     order = np.argsort(-scores, kind="stable")
     positive, negative = (guesses + 1) // 2, guesses // 2
-    tail = order[len(order) - negative:] if negative else order[:0]
+    tail = order[len(order) - negative :] if negative else order[:0]
     return int(included[order[:positive]].sum() + (~included[tail]).sum())
 
 
 def _check_counts(canaries: int, guesses: int, correct: int) -> None:
     if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(f"guesses: need 0 ≤ correct ({correct}) ≤ guesses ({guesses}) ≤ "
-                         f"canaries ({canaries})")
+        raise ValueError(
+            f"guesses: need 0 ≤ correct ({correct}) ≤ guesses ({guesses}) ≤ canaries ({canaries})"
+        )

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
+from dp_accounting import dp_event
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from core.accounting import checks
@@ -53,7 +54,24 @@ class TrialMechanism(BaseModel):
     validation_noise: float | None = Field(None, gt=0)
     release_noise: float | None = Field(None, gt=0)
 
+    def dp_event(self) -> dp_event.DpEvent:
+        """The trial as dp-accounting's event: T self-composed Poisson-subsampled Gaussians,
+        composed with the validation score's Gaussian."""
+        step = dp_event.PoissonSampledDpEvent(
+            self.sample_rate, dp_event.GaussianDpEvent(self.noise_multiplier)
+        )
+        events: list[dp_event.DpEvent] = [dp_event.SelfComposedDpEvent(step, self.steps)]
+        if self.validation_noise is not None:
+            events.append(dp_event.GaussianDpEvent(self.validation_noise))
+        return dp_event.ComposedDpEvent(events)
+
     def rdp(self) -> np.ndarray:
+        """The RDP curve of :meth:`dp_event`, with each step's curve capped at the unsampled
+        Gaussian's α/2σ² where dp-accounting's series gives ∞ (:func:`rdp_curve`). That cap is
+        why Papernot–Steinke jobs apply Theorems 2/6 to this curve rather than composing
+        ``RepeatAndSelectDpEvent(self.dp_event(), …)``: the accountant would carry the ∞
+        through (Poisson K at q = 0.05, σ = 0.7, say); wherever both are finite they agree
+        exactly (``tests/accounting/test_tuning.py``)."""
         extra = None if self.validation_noise is None else gaussian_rdp(self.validation_noise)
         return trial_rdp(self.sample_rate, self.noise_multiplier, self.steps, extra)
 
@@ -131,8 +149,7 @@ class PapernotSteinke(_Method):
 
     def tail(self) -> float:
         """P[K > cap]: the total variation the cap moves the output by."""
-        return 0.0 if self.max_trials is None else trials_tail(self.mean, self.eta,
-                                                               self.max_trials)
+        return 0.0 if self.max_trials is None else trials_tail(self.mean, self.eta, self.max_trials)
 
     def charge(self, trial: np.ndarray, delta: float, statement_epsilon: float) -> Charge:
         """The curve of Theorems 2/6, and the cap as (0, (1 + e^ε_D)·t): the ledger states the
@@ -166,8 +183,9 @@ class PapernotSteinke(_Method):
 
 TuningMethod = Annotated[Rdp | LiuTalwar | PapernotSteinke, Field(discriminator="kind")]
 #: kind → class: the spec's ``privacy.accounting`` values
-KINDS: dict[str, type[_Method]] = {m.model_fields["kind"].default: m
-                                   for m in (Rdp, LiuTalwar, PapernotSteinke)}
+KINDS: dict[str, type[_Method]] = {
+    m.model_fields["kind"].default: m for m in (Rdp, LiuTalwar, PapernotSteinke)
+}
 _METHODS: TypeAdapter[TuningMethod] = TypeAdapter(TuningMethod)
 #: one run of one trial
 SINGLE = Rdp(trials=1)
@@ -208,4 +226,5 @@ def tuning_epsilon(
     ``"rdp", trials=K``; ``"lt", gamma=…, delta2=…``; ``"ps", mean=…, eta=…, max_trials=…``)."""
     checks.probability("delta", delta)
     return tuning_method(method, **params).epsilon(
-        trial_rdp(sample_rate, noise_multiplier, steps, extra_rdp), delta)
+        trial_rdp(sample_rate, noise_multiplier, steps, extra_rdp), delta
+    )

@@ -98,9 +98,7 @@ def epsilon_from_rdp(rdp: np.ndarray, delta: float) -> tuple[float, float]:
     return float(eps), float(order)
 
 
-def dpsgd_epsilon(
-    sample_rate: float, noise_multiplier: float, steps: int, delta: float
-) -> float:
+def dpsgd_epsilon(sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
     """ε at δ of one DP-SGD run: T steps of the Poisson-subsampled Gaussian (q, σ)."""
     return epsilon_from_rdp(rdp_curve(sample_rate, noise_multiplier, steps), delta)[0]
 

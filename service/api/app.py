@@ -28,8 +28,9 @@ def _poll(sessions: sessionmaker, orchestrator: Orchestrator) -> None:
         lifecycle.reconcile(session, orchestrator)
 
 
-async def _keep_polling(sessions: sessionmaker, orchestrator: Orchestrator,
-                        interval: float) -> None:
+async def _keep_polling(
+    sessions: sessionmaker, orchestrator: Orchestrator, interval: float
+) -> None:
     """Settle jobs that end while nobody asks about them (no job stays "running" forever)."""
     while True:
         await asyncio.sleep(interval)
@@ -67,8 +68,11 @@ def create_app(
         app.state.settings = settings
         app.state.sessions = sessions
         app.state.orchestrator = orchestrator
-        poller = (asyncio.create_task(_keep_polling(sessions, orchestrator, poll_interval))
-                  if poll_interval else None)
+        poller = (
+            asyncio.create_task(_keep_polling(sessions, orchestrator, poll_interval))
+            if poll_interval
+            else None
+        )
         yield
         if poller is not None:
             poller.cancel()
@@ -80,9 +84,12 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                       large_paths=runner.MODEL_UPLOAD_PATHS,
-                       large_bytes=settings.max_model_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        large_paths=runner.MODEL_UPLOAD_PATHS,
+        large_bytes=settings.max_model_bytes,
+    )
     errors.install(app)
     for router in (keys.router, datasets.router, plans.router, jobs_api.router, runner.router):
         app.include_router(router)

@@ -25,13 +25,20 @@ class DatasetIn(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[\w.-]+$")
-    source: str = Field(pattern=SOURCE, description="builtin:digits, builtin:mnist1d, "
-                        "builtin:heavy_tail or npz:<file under DATA_DIR>")
+    source: str = Field(
+        pattern=SOURCE,
+        description="builtin:digits, builtin:mnist1d, "
+        "builtin:heavy_tail or npz:<file under DATA_DIR>",
+    )
     options: dict[str, Scalar] = Field(default_factory=dict, max_length=20)
     num_classes: int | None = Field(
-        None, ge=2, le=100_000, description="the declared label set {0, …, num_classes − 1}: "
+        None,
+        ge=2,
+        le=100_000,
+        description="the declared label set {0, …, num_classes − 1}: "
         "required for npz files (it is public, so it is not read off the private labels); "
-        "optional for builtins, which must then match")
+        "optional for builtins, which must then match",
+    )
     epsilon: float = Field(gt=0, le=100, description="lifetime budget ε")
     delta: float = Field(gt=0, lt=1, description="lifetime budget δ")
 
@@ -59,12 +66,16 @@ class EntryOut(BaseModel):
     kind: str
     reference: str | None
     job: int | None
-    epsilon: float | None = Field(description="this row's own ε at the dataset's δ "
-                                  "(null when its δ alone exceeds the dataset's)")
+    epsilon: float | None = Field(
+        description="this row's own ε at the dataset's δ "
+        "(null when its δ alone exceeds the dataset's)"
+    )
     delta: float = Field(description="δ charged by basic composition (Liu–Talwar jobs, caps)")
     note: str
-    created_at: datetime | None = Field(description="null for analysts on rows of random-"
-                                        "stopping jobs (lt, ps): their time depends on K")
+    created_at: datetime | None = Field(
+        description="null for analysts on rows of random-"
+        "stopping jobs (lt, ps): their time depends on K"
+    )
 
 
 class BudgetOut(BaseModel):
@@ -109,9 +120,15 @@ def register(
             raise field_error(named, reason) from None
         raise field_error("source", f"cannot load {body.source!r}: {reason or error}") from None
     dataset = Dataset(
-        name=body.name, source=body.source, options=body.options, n=info.n,
-        num_classes=info.num_classes, input_shape=list(info.input_shape),
-        public_validation=info.public_validation, epsilon=body.epsilon, delta=body.delta,
+        name=body.name,
+        source=body.source,
+        options=body.options,
+        n=info.n,
+        num_classes=info.num_classes,
+        input_shape=list(info.input_shape),
+        public_validation=info.public_validation,
+        epsilon=body.epsilon,
+        delta=body.delta,
         content_sha256=info.sha256,
     )
     session.add(dataset)
@@ -137,7 +154,10 @@ def get_budget(dataset_id: int, session: SessionDep, caller: Caller) -> BudgetOu
     state = ledger.budget(session, dataset)
     entries = visibility.ledger_entries(session, caller, dataset, state.entries)
     return BudgetOut(
-        epsilon=state.epsilon, delta=state.delta, spent=state.spent, reserved=state.reserved,
+        epsilon=state.epsilon,
+        delta=state.delta,
+        spent=state.spent,
+        reserved=state.reserved,
         remaining=state.remaining,
         entries=[EntryOut.model_validate(e, from_attributes=True) for e in entries],
     )

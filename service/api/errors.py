@@ -28,7 +28,7 @@ def _error(loc: tuple, message: str) -> dict[str, str]:
     if prefixed:  # absolute ("privacy.gamma") or relative to the location ("groups")
         named = prefixed.group(1)
         field = named if named.startswith(field) else f"{field}.{named}"
-        message = message[prefixed.end():]
+        message = message[prefixed.end() :]
     return {"field": field or "body", "message": message}
 
 
@@ -51,8 +51,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(PlanError)
     async def _plan(_: Request, exc: PlanError) -> JSONResponse:
-        return _response(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                         [{"field": exc.field, "message": str(exc).split(": ", 1)[1]}])
+        return _response(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            [{"field": exc.field, "message": str(exc).split(": ", 1)[1]}],
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

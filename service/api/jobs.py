@@ -85,13 +85,21 @@ class ModelFile(FileResponse):
 
 def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> JobOut:
     view = visibility.job_view(job, caller, dashboard_url)
-    return JobOut(id=job.id, dataset=job.dataset_id, accounting=job.accounting, plan=job.plan,
-                  spec=job.spec, created_at=job.created_at, **asdict(view))
+    return JobOut(
+        id=job.id,
+        dataset=job.dataset_id,
+        accounting=job.accounting,
+        plan=job.plan,
+        spec=job.spec,
+        created_at=job.created_at,
+        **asdict(view),
+    )
 
 
 def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
-    return [TrialOut.model_validate(t, from_attributes=True)
-            for t in visibility.trials(job, caller)]
+    return [
+        TrialOut.model_validate(t, from_attributes=True) for t in visibility.trials(job, caller)
+    ]
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED)
@@ -130,12 +138,14 @@ def list_jobs(
 ) -> list[JobOut]:
     query = select(Job).order_by(Job.id.desc())
     if not caller.is_operator:
-        query = query.where(Job.owner_key_id == caller.key_id,
-                            Job.dataset_id.in_(caller.dataset_ids))
+        query = query.where(
+            Job.owner_key_id == caller.key_id, Job.dataset_id.in_(caller.dataset_ids)
+        )
     if dataset is not None:
         query = query.where(Job.dataset_id == dataset)
-    return [job_out(j, caller) for j in session.execute(query.limit(limit).offset(offset))
-            .scalars()]
+    return [
+        job_out(j, caller) for j in session.execute(query.limit(limit).offset(offset)).scalars()
+    ]
 
 
 @router.get("/{job_id}")
@@ -179,12 +189,18 @@ def get_model(job_id: int, session: SessionDep, caller: Caller, settings: Settin
     job = visible_job(session, caller, job_id)
     view = visibility.job_view(job, caller)
     if not view.released:
-        raise field_error("job", f"job {job_id} has no released model (status {view.status})",
-                          status.HTTP_409_CONFLICT)
+        raise field_error(
+            "job",
+            f"job {job_id} has no released model (status {view.status})",
+            status.HTTP_409_CONFLICT,
+        )
     path = (settings.data_path / job.artifact.path).resolve()
     if not path.is_relative_to(settings.data_path):
         raise RuntimeError(f"artifact path {job.artifact.path!r} escapes DATA_DIR")
     sha256 = job.artifact.sha256
-    return ModelFile(path, media_type="application/octet-stream",
-                     filename=f"job-{job_id}.safetensors",
-                     headers={"X-Dptune-Sha256": sha256, "ETag": f'"{sha256}"'})
+    return ModelFile(
+        path,
+        media_type="application/octet-stream",
+        filename=f"job-{job_id}.safetensors",
+        headers={"X-Dptune-Sha256": sha256, "ETag": f'"{sha256}"'},
+    )

@@ -44,14 +44,18 @@ class NewKeyOut(KeyOut):
 
 
 def _out(key: ApiKey) -> dict:
-    return {"id": key.id, "name": key.name, "role": key.role,
-            "datasets": sorted(d.id for d in key.datasets), "created_at": key.created_at}
+    return {
+        "id": key.id,
+        "name": key.name,
+        "role": key.role,
+        "datasets": sorted(d.id for d in key.datasets),
+        "created_at": key.created_at,
+    }
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create(body: KeyIn, session: SessionDep, _: Operator) -> NewKeyOut:
-    datasets = list(session.execute(select(Dataset).where(Dataset.id.in_(body.datasets)))
-                    .scalars())
+    datasets = list(session.execute(select(Dataset).where(Dataset.id.in_(body.datasets))).scalars())
     missing = sorted(set(body.datasets) - {d.id for d in datasets})
     if missing:
         raise field_error("datasets", f"no dataset with id {missing[0]}")

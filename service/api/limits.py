@@ -13,8 +13,9 @@ class BodyLimit:
     there is more (whether ``Content-Length`` says so up front or a chunked body runs over);
     otherwise replays the body to the application."""
 
-    def __init__(self, app: Any, max_bytes: int, large_paths: str = r"(?!)",
-                 large_bytes: int = 0) -> None:
+    def __init__(
+        self, app: Any, max_bytes: int, large_paths: str = r"(?!)", large_bytes: int = 0
+    ) -> None:
         self.app = app
         self.max_bytes, self.large_bytes = max_bytes, large_bytes
         self.large_paths = re.compile(large_paths)
@@ -23,8 +24,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = (self.large_bytes if self.large_paths.fullmatch(scope["path"])
-                 else self.max_bytes)
+        limit = self.large_bytes if self.large_paths.fullmatch(scope["path"]) else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             await self._refuse(send, limit)
@@ -55,7 +55,14 @@ class BodyLimit:
 
     async def _refuse(self, send: Any, limit: int) -> None:
         body = json.dumps({"detail": f"body: larger than {limit} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

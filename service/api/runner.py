@@ -47,8 +47,11 @@ def runner_job(
     """The job id, when the request carries that job's runner token; 404 otherwise (a token
     of another job must not even learn whether this one exists)."""
     if credentials is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "a job token is required",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "a job token is required",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     with request.app.state.sessions() as session:
         job = session.get(Job, job_id)
         expected = job.runner_token_sha256 if job is not None else None
@@ -103,8 +106,12 @@ class EndIn(Strict):
 
 def dataset_config(dataset: Dataset) -> DatasetConfig:
     """The dataset as trials load it: registered source, options, label set and hash."""
-    return DatasetConfig(source=dataset.source, options=dataset.options,
-                         num_classes=dataset.num_classes, sha256=dataset.content_sha256)
+    return DatasetConfig(
+        source=dataset.source,
+        options=dataset.options,
+        num_classes=dataset.num_classes,
+        sha256=dataset.content_sha256,
+    )
 
 
 def _job(session: Session, job_id: int) -> Job:
@@ -124,8 +131,13 @@ def context(job_id: RunnerJob, session: SessionDep) -> JobContextOut:
     job = _job(session, job_id)
     dataset = session.get(Dataset, job.dataset_id)
     assert dataset is not None
-    return JobContextOut(job_id=job.id, accounting=job.accounting, spec=job.spec, plan=job.plan,
-                         dataset=dataset_config(dataset).model_dump(mode="json"))
+    return JobContextOut(
+        job_id=job.id,
+        accounting=job.accounting,
+        spec=job.spec,
+        plan=job.plan,
+        dataset=dataset_config(dataset).model_dump(mode="json"),
+    )
 
 
 @router.post("/start", status_code=status.HTTP_204_NO_CONTENT)
@@ -140,15 +152,13 @@ def start(job_id: RunnerJob, session: SessionDep) -> Response:
 def start_attempt(job_id: RunnerJob, body: AttemptIn, session: SessionDep) -> AttemptOut:
     """Record and charge an attempt before it reads data; 409 when not covered."""
     try:
-        return AttemptOut(attempt=attempts.start_attempt(session, job_id, body.index,
-                                                         body.params))
+        return AttemptOut(attempt=attempts.start_attempt(session, job_id, body.index, body.params))
     except attempts.AttemptRefused as refused:
         raise field_error("index", str(refused), status.HTTP_409_CONFLICT) from None
 
 
 @router.post("/attempts/{attempt_id}/progress", status_code=status.HTTP_204_NO_CONTENT)
-def progress(job_id: RunnerJob, attempt_id: int, body: ProgressIn,
-             session: SessionDep) -> Response:
+def progress(job_id: RunnerJob, attempt_id: int, body: ProgressIn, session: SessionDep) -> Response:
     _attempt(session, job_id, attempt_id)
     attempts.record_progress(session, attempt_id, body.steps, body.metrics)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -157,8 +167,9 @@ def progress(job_id: RunnerJob, attempt_id: int, body: ProgressIn,
 @router.post("/attempts/{attempt_id}/finish", status_code=status.HTTP_204_NO_CONTENT)
 def finish(job_id: RunnerJob, attempt_id: int, body: FinishIn, session: SessionDep) -> Response:
     _attempt(session, job_id, attempt_id)
-    attempts.finish_attempt(session, attempt_id, body.status, body.steps, body.score,
-                            body.thresholds)
+    attempts.finish_attempt(
+        session, attempt_id, body.status, body.steps, body.score, body.thresholds
+    )
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -178,8 +189,9 @@ def _best_trial(job: Job) -> Trial | None:
 
 
 @router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED)
-async def upload_model(job_id: RunnerJob, index: int, request: Request, session: SessionDep,
-                       settings: SettingsDep) -> Response:
+async def upload_model(
+    job_id: RunnerJob, index: int, request: Request, session: SessionDep, settings: SettingsDep
+) -> Response:
     """Release the weights of trial ``index`` (safetensors bytes). Only the best finished trial
     by its DP score may be released, once: the runner cannot pick another. The file's metadata
     is written here — the trial config without the dataset part, and the dataset's public
@@ -187,8 +199,9 @@ async def upload_model(job_id: RunnerJob, index: int, request: Request, session:
     job = _job(session, job_id)
     best = _best_trial(job)
     if best is None or best.index != index:
-        raise field_error("index", f"trial {index} is not the job's best finished trial",
-                          status.HTTP_409_CONFLICT)
+        raise field_error(
+            "index", f"trial {index} is not the job's best finished trial", status.HTTP_409_CONFLICT
+        )
     if job.artifact is not None:
         raise field_error("index", "the job has released its model", status.HTTP_409_CONFLICT)
     try:
@@ -197,9 +210,16 @@ async def upload_model(job_id: RunnerJob, index: int, request: Request, session:
         raise field_error("body", f"not a safetensors file: {error}") from None
     dataset = session.get(Dataset, job.dataset_id)
     assert dataset is not None
-    config = JobSpec.model_validate(job.spec).trial_config(
-        dataset_config(dataset), job.plan["noise_multiplier"], job.plan["delta"], best.params,
-    ).model_dump(mode="json", exclude={"dataset"})
+    config = (
+        JobSpec.model_validate(job.spec)
+        .trial_config(
+            dataset_config(dataset),
+            job.plan["noise_multiplier"],
+            job.plan["delta"],
+            best.params,
+        )
+        .model_dump(mode="json", exclude={"dataset"})
+    )
     public = {"num_classes": dataset.num_classes, "input_shape": dataset.input_shape}
     attempts.release_model(session, settings.data_path, best.id, tensors, config, public)
     return Response(status_code=status.HTTP_201_CREATED)
@@ -211,7 +231,10 @@ def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> Response:
     finished, ``failed``. The job is settled."""
     job = _job(session, job_id)
     if (body.state == "released") != (job.artifact is not None):
-        raise field_error("state", f"{body.state!r} does not match whether a model was "
-                          "released", status.HTTP_409_CONFLICT)
+        raise field_error(
+            "state",
+            f"{body.state!r} does not match whether a model was released",
+            status.HTTP_409_CONFLICT,
+        )
     lifecycle.apply_state(session, job_id, JobState(body.state), body.error)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

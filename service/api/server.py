@@ -24,8 +24,9 @@ class BackgroundServer(threading.Thread):
     def __init__(self, app: Any, port: int) -> None:
         super().__init__(daemon=True)
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
 
     def run(self) -> None:
         self.server.run()

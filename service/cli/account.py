@@ -22,30 +22,48 @@ class Method(StrEnum):
     ps = "ps"
 
 
-
-
-def _method(name: str, trials: int, gamma: float | None, delta2: float | None,
-            eta: float | None, delta: float) -> accounting.TuningMethod:
+def _method(
+    name: str,
+    trials: int,
+    gamma: float | None,
+    delta2: float | None,
+    eta: float | None,
+    delta: float,
+) -> accounting.TuningMethod:
     """The CLI's options as a tuning method (``single``: one trial). Liu–Talwar's δ₂ defaults
     to δ/10 here, as the printed example in the README."""
     params: dict[str, Any] = {
-        "single": {"trials": 1}, "rdp": {"trials": trials},
-        "lt": {"gamma": gamma if gamma is not None else 1 / trials,
-               "delta2": delta2 if delta2 is not None else delta / 10},
+        "single": {"trials": 1},
+        "rdp": {"trials": trials},
+        "lt": {
+            "gamma": gamma if gamma is not None else 1 / trials,
+            "delta2": delta2 if delta2 is not None else delta / 10,
+        },
         "ps": {"mean": float(trials), "eta": eta},
     }[name]
     return accounting.tuning_method("rdp" if name == "single" else name, **params)
 
 
-def _row(name: str, q: float, steps: int, delta: float, sigma: float | None,
-         target: float | None, histogram_noise: float | None,
-         method: accounting.TuningMethod) -> dict[str, Any]:
+def _row(
+    name: str,
+    q: float,
+    steps: int,
+    delta: float,
+    sigma: float | None,
+    target: float | None,
+    histogram_noise: float | None,
+    method: accounting.TuningMethod,
+) -> dict[str, Any]:
     if sigma is None:
         sigma = accounting.calibrate_noise(q, steps, target, delta, method)  # type: ignore[arg-type]
     trial = accounting.trial_rdp(q, sigma, steps)
     row: dict[str, Any] = {
-        "method": name, "noise_multiplier": sigma, "sample_rate": q, "steps": steps,
-        "epsilon": method.epsilon(trial, delta), "delta": delta,
+        "method": name,
+        "noise_multiplier": sigma,
+        "sample_rate": q,
+        "steps": steps,
+        "epsilon": method.epsilon(trial, delta),
+        "delta": delta,
         "params": {} if name == "single" else method.model_dump(exclude={"kind"}),
     }
     if histogram_noise is not None:
@@ -62,8 +80,10 @@ def _describe(row: dict[str, Any]) -> str:
     if row["method"] == "rdp":
         return f"K = {p['trials']}"
     if row["method"] == "lt":
-        return (f"γ = {p['gamma']:.3g}, δ₂ = {p['delta2']:.2g}, T = {row['max_trials']}, "
-                f"ε₁ = {row['trial_epsilon']:.4g} at δ₁ = {row['trial_delta']:.2g}")
+        return (
+            f"γ = {p['gamma']:.3g}, δ₂ = {p['delta2']:.2g}, T = {row['max_trials']}, "
+            f"ε₁ = {row['trial_epsilon']:.4g} at δ₁ = {row['trial_delta']:.2g}"
+        )
     if row["method"] == "ps":
         dist = "Poisson" if p["eta"] is None else f"TNB η = {p['eta']:g}"
         return f"E[K] = {p['mean']:g}, {dist}"
@@ -76,37 +96,68 @@ def _table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(col, justify="left" if col in ("method", "details") else "right")
     for r in rows:
         sigma_t = f"{r['gradient_noise']:.4f}" if "gradient_noise" in r else "—"
-        table.add_row(r["method"], f"{r['noise_multiplier']:.4f}", sigma_t,
-                      f"{r['sample_rate']:.4g}", str(r["steps"]), f"{r['epsilon']:.4f}",
-                      f"{r['delta']:.2g}", _describe(r))
+        table.add_row(
+            r["method"],
+            f"{r['noise_multiplier']:.4f}",
+            sigma_t,
+            f"{r['sample_rate']:.4g}",
+            str(r["steps"]),
+            f"{r['epsilon']:.4f}",
+            f"{r['delta']:.2g}",
+            _describe(r),
+        )
     return table
 
 
 def account(
-    sample_rate: Annotated[float | None, typer.Option("--sample-rate", "-q",
-        help="Poisson sampling rate q = B/N (or give --dataset-size and --batch-size).")] = None,
+    sample_rate: Annotated[
+        float | None,
+        typer.Option(
+            "--sample-rate",
+            "-q",
+            help="Poisson sampling rate q = B/N (or give --dataset-size and --batch-size).",
+        ),
+    ] = None,
     dataset_size: Annotated[int | None, typer.Option(help="N, training examples.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="B, expected batch size.")] = None,
     steps: Annotated[int | None, typer.Option(help="DP-SGD steps per trial.")] = None,
-    epochs: Annotated[float | None, typer.Option(
-        help="Epochs per trial (with N and B); steps = round(epochs·N/B), as the engine runs.")
+    epochs: Annotated[
+        float | None,
+        typer.Option(
+            help="Epochs per trial (with N and B); steps = round(epochs·N/B), as the engine runs."
+        ),
     ] = None,
-    noise: Annotated[float | None, typer.Option("--noise", "-s",
-        help="Noise multiplier σ: answers 'what does this cost?'.")] = None,
-    target_epsilon: Annotated[float | None, typer.Option("--target-epsilon", "-e",
-        help="Target ε: answers 'what noise do I need?' (σ calibrated per method).")] = None,
+    noise: Annotated[
+        float | None,
+        typer.Option("--noise", "-s", help="Noise multiplier σ: answers 'what does this cost?'."),
+    ] = None,
+    target_epsilon: Annotated[
+        float | None,
+        typer.Option(
+            "--target-epsilon",
+            "-e",
+            help="Target ε: answers 'what noise do I need?' (σ calibrated per method).",
+        ),
+    ] = None,
     delta: Annotated[float, typer.Option(help="δ of the run or of the whole job.")] = 1e-5,
-    method: Annotated[Method, typer.Option(
-        help="Accounting method (see above); all: every method side by side.")] = Method.all,
-    trials: Annotated[int, typer.Option(
-        help="rdp: number of trials K; lt: 1/γ unless --gamma; ps: E[K].")] = 10,
+    method: Annotated[
+        Method, typer.Option(help="Accounting method (see above); all: every method side by side.")
+    ] = Method.all,
+    trials: Annotated[
+        int, typer.Option(help="rdp: number of trials K; lt: 1/γ unless --gamma; ps: E[K].")
+    ] = 10,
     gamma: Annotated[float | None, typer.Option(help="lt: stop probability γ.")] = None,
     delta2: Annotated[float | None, typer.Option(help="lt: δ₂ (default δ/10).")] = None,
-    eta: Annotated[float | None, typer.Option(
-        help="ps: shape η of the truncated negative binomial (1 = geometric).")] = 1.0,
+    eta: Annotated[
+        float | None,
+        typer.Option(help="ps: shape η of the truncated negative binomial (1 = geometric)."),
+    ] = 1.0,
     poisson: Annotated[bool, typer.Option("--poisson", help="ps: K ~ Poisson(E[K]).")] = False,
-    histogram_noise: Annotated[float | None, typer.Option(
-        help="DC-SGD histogram noise σ_H: also show the gradient's σ_T (paper 001 Thm 2).")
+    histogram_noise: Annotated[
+        float | None,
+        typer.Option(
+            help="DC-SGD histogram noise σ_H: also show the gradient's σ_T (paper 001 Thm 2)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -126,8 +177,16 @@ def account(
             raise ValueError("give exactly one of --noise or --target-epsilon")
         methods = ["single", "rdp", "lt", "ps"] if method is Method.all else [method.value]
         rows = [
-            _row(m, q, n_steps, delta, noise, target_epsilon, histogram_noise,
-                 _method(m, trials, gamma, delta2, None if poisson else eta, delta))
+            _row(
+                m,
+                q,
+                n_steps,
+                delta,
+                noise,
+                target_epsilon,
+                histogram_noise,
+                _method(m, trials, gamma, delta2, None if poisson else eta, delta),
+            )
             for m in methods
         ]
     except ValueError as err:
@@ -138,9 +197,13 @@ def account(
         Console().print(_table(rows))
 
 
-def _resolve_schedule(sample_rate: float | None, dataset_size: int | None,
-                      batch_size: int | None, steps: int | None, epochs: float | None
-                      ) -> tuple[float, int]:
+def _resolve_schedule(
+    sample_rate: float | None,
+    dataset_size: int | None,
+    batch_size: int | None,
+    steps: int | None,
+    epochs: float | None,
+) -> tuple[float, int]:
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of --steps or --epochs")
     if dataset_size is not None and batch_size is not None:
@@ -152,6 +215,8 @@ def _resolve_schedule(sample_rate: float | None, dataset_size: int | None,
                 raise ValueError("--epochs must be positive")
             steps = num_steps(dataset_size, batch_size, epochs)
     elif sample_rate is None or epochs is not None:
-        raise ValueError("give --dataset-size and --batch-size (with --epochs or --steps), "
-                         "or --sample-rate with --steps")
+        raise ValueError(
+            "give --dataset-size and --batch-size (with --epochs or --steps), "
+            "or --sample-rate with --steps"
+        )
     return sample_rate, steps

@@ -51,21 +51,47 @@ def _table(r: AuditResult) -> Table:
 
 
 def audit(
-    config: Annotated[Path, typer.Option(
-        help="Trial config (JSON), as for `python -m workers.trial`.", exists=True,
-        dir_okay=False)],
-    canaries: Annotated[int, typer.Option("--canaries", "-m",
-        help="m: canaries, each included with probability 1/2 (count toward N).")] = 1000,
-    guesses: Annotated[int, typer.Option("--guesses", "-k",
-        help="k: guesses, half 'in' on the highest scores, half 'out' on the lowest.")] = 200,
-    kind: Annotated[Kind, typer.Option(
-        help="white: gradient canaries, scored on every step's noisy gradient (the stronger "
-             "audit); black: input canaries, scored on the final model's losses.")] = Kind.white,
-    noise_scale: Annotated[float, typer.Option(
-        help="FAULT INJECTION, audits only: multiply the gradient noise by this factor to "
-             "check that the audit catches a broken build (e.g. 0.1).")] = 1.0,
+    config: Annotated[
+        Path,
+        typer.Option(
+            help="Trial config (JSON), as for `python -m workers.trial`.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ],
+    canaries: Annotated[
+        int,
+        typer.Option(
+            "--canaries",
+            "-m",
+            help="m: canaries, each included with probability 1/2 (count toward N).",
+        ),
+    ] = 1000,
+    guesses: Annotated[
+        int,
+        typer.Option(
+            "--guesses",
+            "-k",
+            help="k: guesses, half 'in' on the highest scores, half 'out' on the lowest.",
+        ),
+    ] = 200,
+    kind: Annotated[
+        Kind,
+        typer.Option(
+            help="white: gradient canaries, scored on every step's noisy gradient (the stronger "
+            "audit); black: input canaries, scored on the final model's losses."
+        ),
+    ] = Kind.white,
+    noise_scale: Annotated[
+        float,
+        typer.Option(
+            help="FAULT INJECTION, audits only: multiply the gradient noise by this factor to "
+            "check that the audit catches a broken build (e.g. 0.1)."
+        ),
+    ] = 1.0,
     confidence: Annotated[float, typer.Option(help="Confidence of the lower bound.")] = 0.95,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON.")
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the result as JSON.")
     ] = None,
 ) -> None:
     """Empirical privacy audit: train once with canaries and bound ε from below.
@@ -77,10 +103,15 @@ def audit(
         cfg = TrialConfig.model_validate_json(config.read_text())
         with Progress(transient=True) as progress:
             task = progress.add_task(f"audited DP training ({kind.value}-box)", total=None)
-            result = run_audit(cfg, canaries=canaries, guesses=guesses, kind=kind.value,
-                               noise_scale=noise_scale, confidence=confidence,
-                               on_step=lambda t, total: progress.update(task, completed=t,
-                                                                        total=total))
+            result = run_audit(
+                cfg,
+                canaries=canaries,
+                guesses=guesses,
+                kind=kind.value,
+                noise_scale=noise_scale,
+                confidence=confidence,
+                on_step=lambda t, total: progress.update(task, completed=t, total=total),
+            )
     except ValidationError as err:
         raise typer.BadParameter(_error_message(err), param_hint="--config") from err
     except ValueError as err:
@@ -89,7 +120,9 @@ def audit(
     if json_out is not None:
         json_out.write_text(json.dumps(result.as_dict(), indent=2))
     if result.refuted:
-        typer.echo(f"REFUTED: ε > {result.lower_bound:.3f} with {result.confidence:.0%} "
-                   f"confidence, above the claimed {result.claimed_epsilon:.3f}")
+        typer.echo(
+            f"REFUTED: ε > {result.lower_bound:.3f} with {result.confidence:.0%} "
+            f"confidence, above the claimed {result.claimed_epsilon:.3f}"
+        )
         raise typer.Exit(1)
     typer.echo("consistent with the claim (a lower bound can catch bugs, not certify privacy)")

@@ -54,8 +54,9 @@ def _fresh(data_dir: Path) -> None:
     """Start from an empty data dir, but never wipe one that is not a previous demo's."""
     if data_dir.exists():
         if any(data_dir.iterdir()) and not (data_dir / ".dptune-demo").exists():
-            raise typer.BadParameter(f"{data_dir} exists and is not a dptune demo directory",
-                                     param_hint="--data-dir")
+            raise typer.BadParameter(
+                f"{data_dir} exists and is not a dptune demo directory", param_hint="--data-dir"
+            )
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True)
     (data_dir / ".dptune-demo").touch()
@@ -63,20 +64,29 @@ def _fresh(data_dir: Path) -> None:
 
 def _watch(api: httpx.Client, jobs: dict[str, dict], console: Console) -> dict[str, dict]:
     """Live progress of every job until all have ended."""
-    columns = (TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} trials"),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} trials"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
-        tasks = {name: progress.add_task(name, total=job["progress"]["trials_total"],
-                                         status=job["status"]) for name, job in jobs.items()}
+        tasks = {
+            name: progress.add_task(
+                name, total=job["progress"]["trials_total"], status=job["status"]
+            )
+            for name, job in jobs.items()
+        }
         while any(job["status"] in ACTIVE for job in jobs.values()):
             time.sleep(1)
             for name, job in jobs.items():
                 jobs[name] = job = api.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
                 best = job["progress"]["best_score"]
                 status = job["status"] + (f", best {best:.3f}" if best is not None else "")
-                progress.update(tasks[name], completed=job["progress"]["trials_done"],
-                                status=status)
+                progress.update(
+                    tasks[name], completed=job["progress"]["trials_done"], status=status
+                )
     return jobs
 
 
@@ -87,8 +97,14 @@ def _trial_table(api: httpx.Client, name: str, job: dict) -> Table:
     for t in api.get(f"/v1/jobs/{job['id']}/trials").raise_for_status().json():
         params = ", ".join(f"{k} = {v}" for k, v in t["params"].items()) or "(defaults)"
         score = "—" if t["score"] is None else f"{t['score']:.3f}"
-        table.add_row(str(t["index"]), params, str(len(t["attempts"])), str(t["steps"]), score,
-                      "released" if t["released"] else "")
+        table.add_row(
+            str(t["index"]),
+            params,
+            str(len(t["attempts"])),
+            str(t["steps"]),
+            score,
+            "released" if t["released"] else "",
+        )
     return table
 
 
@@ -99,13 +115,20 @@ def _charged(api: httpx.Client, job: dict) -> float:
         return 0.0
     plan = job["plan"]
     noise = plan["validation_noise"]
-    return tuning_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
-                          plan["delta"], "rdp", trials=attempts,
-                          extra_rdp=None if noise is None else gaussian_rdp(noise))
+    return tuning_epsilon(
+        plan["sample_rate"],
+        plan["noise_multiplier"],
+        plan["steps"],
+        plan["delta"],
+        "rdp",
+        trials=attempts,
+        extra_rdp=None if noise is None else gaussian_rdp(noise),
+    )
 
 
-def _summary(api: httpx.Client, jobs: dict[str, dict], dataset: int, data_dir: Path,
-             console: Console) -> None:
+def _summary(
+    api: httpx.Client, jobs: dict[str, dict], dataset: int, data_dir: Path, console: Console
+) -> None:
     for name, job in jobs.items():
         console.print(_trial_table(api, name, job))
     budget = api.get(f"/v1/datasets/{dataset}/budget").raise_for_status().json()
@@ -119,19 +142,28 @@ def _summary(api: httpx.Client, jobs: dict[str, dict], dataset: int, data_dir: P
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(api.get(f"/v1/jobs/{job['id']}/model").raise_for_status().content)
             model = str(path)
-        table.add_row(f"{job['id']}: {name}", f"{job['plan']['epsilon']:.3f}",
-                      f"{_charged(api, job):.3f}", model)
+        table.add_row(
+            f"{job['id']}: {name}",
+            f"{job['plan']['epsilon']:.3f}",
+            f"{_charged(api, job):.3f}",
+            model,
+        )
     console.print(table)
-    console.print(f"dataset budget ε = {budget['epsilon']:g} at δ = {budget['delta']:g}: "
-                  f"spent {budget['spent']:.3f} (composed over both jobs), "
-                  f"remaining [bold]{budget['remaining']:.3f}[/bold]")
+    console.print(
+        f"dataset budget ε = {budget['epsilon']:g} at δ = {budget['delta']:g}: "
+        f"spent {budget['spent']:.3f} (composed over both jobs), "
+        f"remaining [bold]{budget['remaining']:.3f}[/bold]"
+    )
 
 
 def demo(
     data_dir: Annotated[Path, typer.Option(help="Demo data (wiped at start).")] = Path(
-        ".dptune-demo"),
-    keep_ray: Annotated[bool, typer.Option(
-        help="Leave the local Ray head running (to browse the dashboard afterwards).")] = False,
+        ".dptune-demo"
+    ),
+    keep_ray: Annotated[
+        bool,
+        typer.Option(help="Leave the local Ray head running (to browse the dashboard afterwards)."),
+    ] = False,
 ) -> None:
     """Run the product end to end on embedded defaults: service, local Ray, two tuning jobs on
     scikit-learn's digits, their charges and the released models."""
@@ -144,15 +176,27 @@ def demo(
     orchestrator = ray_orchestrator(settings, f"http://127.0.0.1:{port}")
     app = create_app(settings, orchestrator, settings.poll_interval_s)
     try:
-        with BackgroundServer(app, port) as server, httpx.Client(
-                base_url=server.url, timeout=120,
-                headers={"Authorization": f"Bearer {key}"}) as api:
-            console.print(f"dptune API on http://127.0.0.1:{port} (docs at /docs), "
-                          f"Ray dashboard at {orchestrator.dashboard_url}")
-            dataset = api.post("/v1/datasets", json={"name": "digits", "source": "builtin:digits",
-                                                     **BUDGET}).raise_for_status().json()
-            console.print(f"Registered digits: N = {dataset['n']}, {dataset['num_classes']} "
-                          f"classes, budget ε = {BUDGET['epsilon']} at δ = {BUDGET['delta']}")
+        with (
+            BackgroundServer(app, port) as server,
+            httpx.Client(
+                base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {key}"}
+            ) as api,
+        ):
+            console.print(
+                f"dptune API on http://127.0.0.1:{port} (docs at /docs), "
+                f"Ray dashboard at {orchestrator.dashboard_url}"
+            )
+            dataset = (
+                api.post(
+                    "/v1/datasets", json={"name": "digits", "source": "builtin:digits", **BUDGET}
+                )
+                .raise_for_status()
+                .json()
+            )
+            console.print(
+                f"Registered digits: N = {dataset['n']}, {dataset['num_classes']} "
+                f"classes, budget ε = {BUDGET['epsilon']} at δ = {BUDGET['delta']}"
+            )
             jobs = {}
             for name, spec in JOBS.items():
                 job = api.post("/v1/jobs", json={"dataset": dataset["id"], **spec})
@@ -161,7 +205,8 @@ def demo(
                 console.print(
                     f"Submitted job {jobs[name]['id']} ({name}): {plan['trials']['max']} "
                     f"trial(s), σ = {plan['noise_multiplier']:.3f}, q = {plan['sample_rate']:.4f}"
-                    f", {plan['steps']} steps per trial, ε = {plan['epsilon']:.3f} reserved")
+                    f", {plan['steps']} steps per trial, ε = {plan['epsilon']:.3f} reserved"
+                )
             jobs = _watch(api, jobs, console)
             _summary(api, jobs, dataset["id"], data_dir, console)
             console.print(f"Ray dashboard (jobs and their logs): {orchestrator.dashboard_url}")

@@ -21,5 +21,4 @@ def serve(
     settings = Settings()
     orchestrator = ray_orchestrator(settings, f"http://{host}:{port}")
     typer.echo(f"dptune: Ray dashboard at {orchestrator.dashboard_url}")
-    uvicorn.run(create_app(settings, orchestrator, settings.poll_interval_s), host=host,
-                port=port)
+    uvicorn.run(create_app(settings, orchestrator, settings.poll_interval_s), host=host, port=port)

@@ -75,8 +75,14 @@ def _jobs_api_up(connection: RayConnection) -> bool:
 
 
 def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None) -> None:
-    cmd = [_ray_cli(), "start", "--head", f"--dashboard-host={DASHBOARD_HOST}",
-           f"--dashboard-port={dashboard_port}", "--disable-usage-stats"]
+    cmd = [
+        _ray_cli(),
+        "start",
+        "--head",
+        f"--dashboard-host={DASHBOARD_HOST}",
+        f"--dashboard-port={dashboard_port}",
+        "--disable-usage-stats",
+    ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     if num_gpus is not None:
@@ -85,8 +91,7 @@ def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None)
     # Ray's processes (and so every trial) inherit the head's environment: keep the service's
     # own settings — the operator key, the database URL — out of it.
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUNE_")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"could not start a local Ray head:\n{done.stderr[-2000:]}")
 
@@ -103,15 +108,17 @@ def connect(
     ``http://head:8265``) or, when it is None, to the local head on ``dashboard_port``,
     starting one if none answers."""
     token = ensure_token(data_dir) if auth_enabled() else None
-    existing = RayConnection(address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token,
-                             started_here=False)
+    existing = RayConnection(
+        address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token, started_here=False
+    )
     if address is not None or _jobs_api_up(existing):
         return existing
     _start_head(dashboard_port, num_cpus, num_gpus)
     deadline = time.monotonic() + timeout_s
     while not _jobs_api_up(existing):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the Ray Jobs API at {existing.dashboard_url} did not come up "
-                               f"in {timeout_s:.0f} s")
+            raise RuntimeError(
+                f"the Ray Jobs API at {existing.dashboard_url} did not come up in {timeout_s:.0f} s"
+            )
         time.sleep(0.5)
     return RayConnection(existing.dashboard_url, token, started_here=True)

@@ -26,7 +26,6 @@ _STATES = {
 }
 
 
-
 @dataclass
 class RayOrchestrator:
     """Runs jobs on the cluster behind ``connection``. A job's runner reports to the control
@@ -46,16 +45,19 @@ class RayOrchestrator:
     client: JobSubmissionClient = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = JobSubmissionClient(self.connection.dashboard_url,
-                                          headers=self.connection.headers)
+        self.client = JobSubmissionClient(
+            self.connection.dashboard_url, headers=self.connection.headers
+        )
 
     def runtime_env(self, submission: Submission) -> dict[str, dict[str, str]]:
-        return {"env_vars": {
-            "DPTUNE_CONTROL_URL": self.control_url,
-            "DPTUNE_JOB_TOKEN": submission.token,
-            "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
-            "PYTHONUNBUFFERED": "1",
-        }}
+        return {
+            "env_vars": {
+                "DPTUNE_CONTROL_URL": self.control_url,
+                "DPTUNE_JOB_TOKEN": submission.token,
+                "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        }
 
     def submission_id(self, job_id: int) -> str:
         return f"dptune-{self.namespace}-job-{job_id}"
@@ -64,8 +66,7 @@ class RayOrchestrator:
         self.client.submit_job(
             entrypoint=f"{sys.executable} -m runner {submission.job_id}",
             submission_id=self.submission_id(submission.job_id),
-            metadata={"dptune_job": str(submission.job_id),
-                      "dataset": submission.dataset_name},
+            metadata={"dptune_job": str(submission.job_id), "dataset": submission.dataset_name},
             runtime_env=self.runtime_env(submission),
         )
 
@@ -102,7 +103,16 @@ def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
     purpose: running jobs carry on across a restart and are reconciled when it comes back
     (``ray stop`` ends it)."""
     settings.data_path.mkdir(parents=True, exist_ok=True)
-    connection = connect(settings.data_path, settings.ray_address, settings.ray_dashboard_port,
-                         settings.ray_num_cpus, settings.ray_num_gpus)
-    return RayOrchestrator(connection, settings.control_url or control_url, settings.data_path,
-                           namespace(settings.sqlalchemy_url))
+    connection = connect(
+        settings.data_path,
+        settings.ray_address,
+        settings.ray_dashboard_port,
+        settings.ray_num_cpus,
+        settings.ray_num_gpus,
+    )
+    return RayOrchestrator(
+        connection,
+        settings.control_url or control_url,
+        settings.data_path,
+        namespace(settings.sqlalchemy_url),
+    )

@@ -54,6 +54,7 @@ class Timestamp(TypeDecorator[datetime]):
             return value.replace(tzinfo=UTC)
         return value
 
+
 api_key_dataset = Table(
     "api_key_dataset",
     Base.metadata,

@@ -17,8 +17,18 @@ def run_json(*args: str) -> list[dict]:
 
 
 def test_cost_of_every_method_side_by_side() -> None:
-    rows = run_json("--dataset-size", "1797", "--batch-size", "64", "--epochs", "10",
-                    "--noise", "1.2", "--trials", "8")
+    rows = run_json(
+        "--dataset-size",
+        "1797",
+        "--batch-size",
+        "64",
+        "--epochs",
+        "10",
+        "--noise",
+        "1.2",
+        "--trials",
+        "8",
+    )
     assert [r["method"] for r in rows] == ["single", "rdp", "lt", "ps"]
     single, rdp, lt, ps = rows
     assert single["steps"] == round(10 * 1797 / 64)
@@ -31,8 +41,19 @@ def test_cost_of_every_method_side_by_side() -> None:
 
 
 def test_noise_for_a_target() -> None:
-    rows = run_json("-q", "0.01", "--steps", "500", "--target-epsilon", "3", "--method", "ps",
-                    "--poisson", "--histogram-noise", "20")
+    rows = run_json(
+        "-q",
+        "0.01",
+        "--steps",
+        "500",
+        "--target-epsilon",
+        "3",
+        "--method",
+        "ps",
+        "--poisson",
+        "--histogram-noise",
+        "20",
+    )
     (row,) = rows
     assert row["params"]["eta"] is None
     assert 3 * (1 - 1e-3) <= row["epsilon"] <= 3

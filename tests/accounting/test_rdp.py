@@ -48,8 +48,9 @@ def renyi_by_quadrature(q: float, sigma: float, alpha: float) -> float:
 
     # the integrand peaks near z = α; integrate well past it on both sides
     lo, hi = -40 * sigma, alpha + 40 * sigma
-    value, _ = integrate.quad(integrand, lo, hi, points=[0.0, alpha], epsabs=0, epsrel=1e-12,
-                              limit=500)
+    value, _ = integrate.quad(
+        integrand, lo, hi, points=[0.0, alpha], epsabs=0, epsrel=1e-12, limit=500
+    )
     return math.log(value) / (alpha - 1)
 
 

@@ -34,6 +34,7 @@ def opacus_epsilon(rdp: np.ndarray, delta: float) -> float:
 
 def tnb_gamma_by_root(mean: float, eta: float) -> float:
     """γ with E[K] = η(1−γ)/(γ(1−γ^η)) (Papernot–Steinke Def. 1), by Brent's method."""
+
     def excess(g: float) -> float:
         if eta == 0:
             return (1 / g - 1) / math.log(1 / g) - mean
@@ -48,18 +49,21 @@ def theorem2_by_hand(trial: np.ndarray, mean: float, eta: float) -> np.ndarray:
     best_hat = min(
         (1 - 1 / lh) * eh + math.log(1 / gamma) / lh for lh, eh in zip(ORDERS, trial, strict=True)
     )
-    out = np.array([
-        e + (1 + eta) * best_hat + math.log(mean) / (lam - 1)
-        for lam, e in zip(ORDERS, trial, strict=True)
-    ])
+    out = np.array(
+        [
+            e + (1 + eta) * best_hat + math.log(mean) / (lam - 1)
+            for lam, e in zip(ORDERS, trial, strict=True)
+        ]
+    )
     return np.minimum.accumulate(out[::-1])[::-1]
 
 
 @pytest.mark.parametrize(("mean", "eta"), [(10, 1.0), (5, 0.5), (20, 2.0), (8, 0.0)])
 def test_truncated_negative_binomial_matches_theorem_2(mean: float, eta: float) -> None:
     trial = rdp_curve(0.01, 1.0, 500)
-    assert tuning_rdp(trial, mean, eta) == pytest.approx(theorem2_by_hand(trial, mean, eta),
-                                                          rel=1e-6)
+    assert tuning_rdp(trial, mean, eta) == pytest.approx(
+        theorem2_by_hand(trial, mean, eta), rel=1e-6
+    )
 
 
 def gaussian_delta(sigma: float, eps: float) -> float:
@@ -76,11 +80,14 @@ def test_poisson_matches_theorem_6_with_the_exact_gaussian_delta() -> None:
     sigma, steps, mean = 2.0, 25, 10.0
     trial = rdp_curve(1.0, sigma, steps)  # = one Gaussian with σ/√T
     ours = tuning_rdp(trial, mean, None)
-    exact = np.array([
-        e + mean * gaussian_delta(sigma / math.sqrt(steps), math.log1p(1 / (lam - 1)))
-        + math.log(mean) / (lam - 1)
-        for lam, e in zip(ORDERS, trial, strict=True)
-    ])
+    exact = np.array(
+        [
+            e
+            + mean * gaussian_delta(sigma / math.sqrt(steps), math.log1p(1 / (lam - 1)))
+            + math.log(mean) / (lam - 1)
+            for lam, e in zip(ORDERS, trial, strict=True)
+        ]
+    )
     assert np.all(ours >= exact * (1 - 1e-9))
     eps_exact = opacus_epsilon(exact, DELTA)
     assert eps_exact <= epsilon_from_rdp(ours, DELTA)[0] <= eps_exact * 1.25
@@ -99,11 +106,14 @@ def delta_from_rdp_by_hand(trial: np.ndarray, eps: float) -> float:
 def test_poisson_matches_theorem_6_with_delta_from_rdp() -> None:
     trial = rdp_curve(0.01, 1.0, 500)
     mean = 12.0
-    by_hand = np.array([
-        e + mean * delta_from_rdp_by_hand(trial, math.log1p(1 / (lam - 1)))
-        + math.log(mean) / (lam - 1)
-        for lam, e in zip(ORDERS, trial, strict=True)
-    ])
+    by_hand = np.array(
+        [
+            e
+            + mean * delta_from_rdp_by_hand(trial, math.log1p(1 / (lam - 1)))
+            + math.log(mean) / (lam - 1)
+            for lam, e in zip(ORDERS, trial, strict=True)
+        ]
+    )
     assert tuning_rdp(trial, mean, None) == pytest.approx(by_hand, rel=1e-9)
 
 
@@ -113,8 +123,10 @@ def test_geometric_gaussian_against_corollary_4() -> None:
     after both are made monotone in λ."""
     sigma, steps, mean, eta = 10.0, 100, 10.0, 1.0
     rho = steps / (2 * sigma**2)
-    closed = rho * ORDERS + math.log(mean) / (ORDERS - 1) + (1 + eta) * (
-        2 * math.sqrt(rho * math.log(mean)) - rho
+    closed = (
+        rho * ORDERS
+        + math.log(mean) / (ORDERS - 1)
+        + (1 + eta) * (2 * math.sqrt(rho * math.log(mean)) - rho)
     )
     closed = np.minimum.accumulate(closed[::-1])[::-1]
     ours = tuning_rdp(rdp_curve(1.0, sigma, steps), mean, eta)
@@ -141,8 +153,7 @@ def test_fixed_trials_compose() -> None:
     q, sigma, steps = 0.02, 1.2, 400
     eps = [tuning_epsilon(q, sigma, steps, DELTA, "rdp", trials=k) for k in (1, 2, 5, 20)]
     assert eps[0] == pytest.approx(dpsgd_epsilon(q, sigma, steps, DELTA))
-    assert eps[2] == pytest.approx(opacus_epsilon(5 * rdp_curve(q, sigma, steps), DELTA),
-                                   rel=1e-4)
+    assert eps[2] == pytest.approx(opacus_epsilon(5 * rdp_curve(q, sigma, steps), DELTA), rel=1e-4)
     assert all(a < b for a, b in itertools.pairwise(eps))
 
 
@@ -166,8 +177,9 @@ def test_trials_tail_against_the_pmf(mean: float, eta: float | None) -> None:
             pmf = [0.0] + [(1 - gamma) ** k / (k * math.log(1 / gamma)) for k in range(1, cap + 1)]
         else:
             pmf = [0.0] + [
-                (1 - gamma) ** k / (gamma**-eta - 1) * math.prod((i + eta) / (i + 1)
-                                                              for i in range(k))
+                (1 - gamma) ** k
+                / (gamma**-eta - 1)
+                * math.prod((i + eta) / (i + 1) for i in range(k))
                 for k in range(1, cap + 1)
             ]
     assert trials_tail(mean, eta, cap) == pytest.approx(1 - sum(pmf), rel=1e-5, abs=1e-15)
@@ -291,3 +303,27 @@ def test_calibration_refuses_unreachable_targets() -> None:
 def test_bad_job_parameters_name_the_parameter(method: str, params: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         tuning_epsilon(0.01, 1.0, 100, DELTA, method, **params)
+
+
+@pytest.mark.parametrize(
+    ("q", "sigma", "steps", "validation"),
+    [(0.01, 1.0, 1000, None), (0.02, 3.0, 2000, 5.0), (0.05, 1.2, 300, 20.0)],
+)
+@pytest.mark.parametrize(("mean", "eta"), [(10.0, 1.0), (5.0, None), (8.0, 0.0), (6.0, 0.5)])
+def test_papernot_steinke_equals_dp_accountings_repeat_and_select(
+    q, sigma, steps, validation, mean, eta
+) -> None:
+    """Our curve-level Theorems 2/6 against dp-accounting's event API on the trial as a
+    DpEvent (an independent path through the library: its own trial curve and composition)."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    from core.accounting import ORDERS, TrialMechanism
+
+    trial = TrialMechanism(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=validation
+    )
+    event = dp_event.RepeatAndSelectDpEvent(trial.dp_event(), mean, np.inf if eta is None else eta)
+    theirs = np.asarray(rdp_lib.RdpAccountant(orders=ORDERS).compose(event).rdp)
+    assert np.all(np.isfinite(theirs))
+    np.testing.assert_allclose(tuning_rdp(trial.rdp(), mean, eta), theirs, rtol=1e-12)

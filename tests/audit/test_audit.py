@@ -18,10 +18,15 @@ from workers.dp import clipped_grad_sum, coefficient_fn
 from workers.dp.randomness import SecureStream
 from workers.trial import plan_privacy
 
-CONFIG = {"dataset": {"source": "builtin:digits"},
-          "model": {"name": "mlp", "options": {"hidden": 64, "layers": 1}},
-          "epochs": 5, "batch_size": 64, "target_epsilon": 1.0,
-          "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9}, "device": "cpu"}
+CONFIG = {
+    "dataset": {"source": "builtin:digits"},
+    "model": {"name": "mlp", "options": {"hidden": 64, "layers": 1}},
+    "epochs": 5,
+    "batch_size": 64,
+    "target_epsilon": 1.0,
+    "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
+    "device": "cpu",
+}
 CANARIES, GUESSES = 1000, 200
 
 
@@ -68,8 +73,9 @@ def test_gradient_canaries_are_clipped_examples(clipping):
     model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
     params = dict(model.named_parameters())
     groups = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
-    column_groups = torch.cat([torch.full((p.numel(),), 0 if name.startswith("0.") else 1)
-                               for name, p in params.items()])
+    column_groups = torch.cat(
+        [torch.full((p.numel(),), 0 if name.startswith("0.") else 1) for name, p in params.items()]
+    )
     canaries = GradientCanaries.draw(6, column_groups, 2, SecureStream())
     threshold = 2.0
     clipper = CanaryClipper(clipped_grad_sum, canaries, params, threshold=lambda: threshold)
@@ -86,8 +92,11 @@ def test_gradient_canaries_are_clipped_examples(clipping):
     assert torch.allclose(norms[4:], torch.full((2, 2), r_m, dtype=torch.float64))
     factors = canaries.clipped_factors(coef_fn, threshold)
     added = torch.cat([(sums[n] - real_sums[n]).flatten() for n in params])
-    expected = (canaries.directions[4] + canaries.directions[0]) * threshold \
+    expected = (
+        (canaries.directions[4] + canaries.directions[0])
+        * threshold
         * factors.to(torch.float32)[column_groups]
+    )
     assert torch.allclose(added, expected, atol=1e-6)
     for g in range(2):  # each canary's block has norm R_m before clipping, ≤ R_m after
         block = canaries.directions[4][column_groups == g] * threshold
@@ -101,8 +110,22 @@ def test_gradient_canaries_are_clipped_examples(clipping):
 def test_cli_reports_a_refuted_claim(tmp_path):
     config, out = tmp_path / "trial.json", tmp_path / "audit.json"
     config.write_text(json.dumps({**CONFIG, "epochs": 2}))
-    result = CliRunner().invoke(app, ["audit", "--config", str(config), "-m", "500", "-k",
-                                      "100", "--noise-scale", "0.1", "--json", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "audit",
+            "--config",
+            str(config),
+            "-m",
+            "500",
+            "-k",
+            "100",
+            "--noise-scale",
+            "0.1",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "REFUTED" in result.output and "FAULT INJECTED" in result.output
     report = json.loads(out.read_text())

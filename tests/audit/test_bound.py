@@ -28,8 +28,11 @@ def reference_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> f
 
 def reference_bound(m: int, r: int, v: int, delta: float, significance: float = 0.05) -> float:
     """Largest ε on the grid whose claim is rejected (0 when none is)."""
-    rejected = [k * GRID_STEP for k in range(int(8 / GRID_STEP))
-                if reference_p_value(m, r, v, k * GRID_STEP, delta) <= significance]
+    rejected = [
+        k * GRID_STEP
+        for k in range(int(8 / GRID_STEP))
+        if reference_p_value(m, r, v, k * GRID_STEP, delta) <= significance
+    ]
     return max(rejected, default=0.0)
 
 
@@ -49,7 +52,8 @@ CASES = [  # m, r, v, delta
 def test_p_value_matches_the_reference(m, r, v, delta):
     for epsilon in (0.0, 0.3, 1.0, 2.5, 5.0):
         assert p_value(m, r, v, epsilon, delta) == pytest.approx(
-            reference_p_value(m, r, v, epsilon, delta), rel=1e-9, abs=1e-12)
+            reference_p_value(m, r, v, epsilon, delta), rel=1e-9, abs=1e-12
+        )
 
 
 @pytest.mark.parametrize(("m", "r", "v", "delta"), CASES)
@@ -79,7 +83,8 @@ def test_more_correct_guesses_never_lower_the_bound():
     assert bounds == sorted(bounds)
     assert bounds[0] == 0
     assert epsilon_lower_bound(1000, 200, 200, 1e-5) == pytest.approx(
-        reference_bound(1000, 200, 200, 1e-5), abs=GRID_STEP)
+        reference_bound(1000, 200, 200, 1e-5), abs=GRID_STEP
+    )
 
 
 def test_guesses_take_both_tails():

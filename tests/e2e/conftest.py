@@ -25,8 +25,10 @@ TEST_DASHBOARD_PORT = 8275
 
 #: what an operator's environment holds when dptune starts the Ray head: none of it may reach
 #: a Ray worker
-OPERATOR_ENV = {"DPTUNE_OPERATOR_KEY": OPERATOR["Authorization"][7:],
-                "DPTUNE_DATABASE_URL": "postgresql+psycopg://dptune:e2e-db-passw0rd@db/dptune"}
+OPERATOR_ENV = {
+    "DPTUNE_OPERATOR_KEY": OPERATOR["Authorization"][7:],
+    "DPTUNE_DATABASE_URL": "postgresql+psycopg://dptune:e2e-db-passw0rd@db/dptune",
+}
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +36,12 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayConnection
     with pytest.MonkeyPatch.context() as env:
         for name, value in OPERATOR_ENV.items():
             env.setenv(name, value)
-        connection = connect(tmp_path_factory.mktemp("ray"),
-                             dashboard_port=TEST_DASHBOARD_PORT, num_cpus=2, num_gpus=0)
+        connection = connect(
+            tmp_path_factory.mktemp("ray"),
+            dashboard_port=TEST_DASHBOARD_PORT,
+            num_cpus=2,
+            num_gpus=0,
+        )
     yield connection
     connection.stop()
 
@@ -56,8 +62,9 @@ class Service:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def wait(self, job_id: int, until: Callable[[dict], bool] | None = None,
-             timeout: float = 240) -> dict:
+    def wait(
+        self, job_id: int, until: Callable[[dict], bool] | None = None, timeout: float = 240
+    ) -> dict:
         """Poll the job until ``until(job)`` (default: it has ended)."""
         until = until or (lambda j: j["status"] not in ("queued", "running"))
         deadline = time.monotonic() + timeout
@@ -66,15 +73,17 @@ class Service:
             if until(job):
                 return job
             time.sleep(1)
-        raise AssertionError(f"job {job_id} still {job['status']}:\n"
-                             f"{self.orchestrator.logs(job_id)[-4000:]}")
+        raise AssertionError(
+            f"job {job_id} still {job['status']}:\n{self.orchestrator.logs(job_id)[-4000:]}"
+        )
 
 
 def environment(pid: int) -> dict[str, str]:
     """The environment of a running process."""
     raw = (Path("/proc") / str(pid) / "environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
-                if "=" in item)
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
 
 
 def trial_processes() -> list[int]:
@@ -84,7 +93,8 @@ def trial_processes() -> list[int]:
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
-                    b"ray::ImplicitFunc"):
+                b"ray::ImplicitFunc"
+            ):
                 pids.append(int(proc.name))
         except OSError:  # the process ended meanwhile
             continue
@@ -105,11 +115,17 @@ def start_service(ray_head: RayConnection, data_dir: Path):
         settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
         settings.data_path.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        orchestrator = RayOrchestrator(ray_head, f"http://127.0.0.1:{port}", settings.data_path,
-                                       namespace(settings.sqlalchemy_url))
+        orchestrator = RayOrchestrator(
+            ray_head,
+            f"http://127.0.0.1:{port}",
+            settings.data_path,
+            namespace(settings.sqlalchemy_url),
+        )
         app = create_app(settings, orchestrator, poll_interval=1.0)
-        with BackgroundServer(app, port) as server, httpx.Client(base_url=server.url,
-                                                                 timeout=60) as client:
+        with (
+            BackgroundServer(app, port) as server,
+            httpx.Client(base_url=server.url, timeout=60) as client,
+        ):
             yield Service(client, orchestrator, settings)
 
     return start
@@ -131,13 +147,18 @@ def small_job(dataset: int, accounting: str = "rdp", **privacy: Any) -> dict[str
         "validation": {"split": "public"},
         "epochs": 1,
         "batch_size": 64,
-        "search_space": ({"method.threshold": {"grid": [0.5, 2.0]}} if accounting == "rdp"
-                         else {"method.threshold": {"values": [0.5, 1.0, 2.0]}}),
+        "search_space": (
+            {"method.threshold": {"grid": [0.5, 2.0]}}
+            if accounting == "rdp"
+            else {"method.threshold": {"values": [0.5, 1.0, 2.0]}}
+        ),
         "privacy": {"epsilon": 2.0, "accounting": accounting, **privacy},
     }
 
 
 @pytest.fixture
 def digits(service: Service) -> int:
-    return service.post("/v1/datasets", {"name": "digits", "source": "builtin:digits",
-                                         "epsilon": 10.0, "delta": 1e-5})["id"]
+    return service.post(
+        "/v1/datasets",
+        {"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
+    )["id"]

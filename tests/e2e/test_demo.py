@@ -15,10 +15,15 @@ DPTUNE = str(Path(sys.executable).parent / "dptune")
 
 
 def run_demo(data_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DPTUNE_RAY_DASHBOARD_PORT": str(TEST_DASHBOARD_PORT),
-           "COLUMNS": "200"}
-    return subprocess.run([DPTUNE, "demo", "--data-dir", str(data_dir)], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    env = {**os.environ, "DPTUNE_RAY_DASHBOARD_PORT": str(TEST_DASHBOARD_PORT), "COLUMNS": "200"}
+    return subprocess.run(
+        [DPTUNE, "demo", "--data-dir", str(data_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def test_demo_runs_both_jobs_and_releases_their_models(ray_head, tmp_path) -> None:

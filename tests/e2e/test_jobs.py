@@ -35,12 +35,19 @@ def charged(budget: dict) -> list[dict]:
 
 def composed_trials(plan: dict, trials: int) -> float:
     """The ε of ``trials`` trials of the plan, recomputed from the plan's numbers alone."""
-    return tuning_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
-                          plan["delta"], "rdp", trials=trials)
+    return tuning_epsilon(
+        plan["sample_rate"],
+        plan["noise_multiplier"],
+        plan["steps"],
+        plan["delta"],
+        "rdp",
+        trials=trials,
+    )
 
 
-def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits, ray_head,
-                                                                 tmp_path) -> None:
+def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(
+    service, digits, ray_head, tmp_path
+) -> None:
     job = service.post("/v1/jobs", small_job(digits))
     plan = job["plan"]
     assert plan["trials"]["max"] == 2
@@ -77,20 +84,24 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(service, digits,
     assert config["method"]["threshold"] == best["params"]["method.threshold"]
     assert config["noise_multiplier"] == plan["noise_multiplier"]
     data = load_dataset(DatasetConfig(source="builtin:digits"))
-    model = build_model(ModelConfig.model_validate(config["model"]), data.input_shape,
-                        data.num_classes)
+    model = build_model(
+        ModelConfig.model_validate(config["model"]), data.input_shape, data.num_classes
+    )
     model.load_state_dict(weights)
     with torch.no_grad():
         accuracy = evaluate(model, data.x_val, data.y_val).accuracy
     assert accuracy == pytest.approx(best["score"], abs=1e-6)  # the released model itself
 
-    info = service.orchestrator.client.get_job_info(
-        service.orchestrator.submission_id(job["id"]))
+    info = service.orchestrator.client.get_job_info(service.orchestrator.submission_id(job["id"]))
     assert info.metadata["dptune_job"] == str(job["id"])
     # what the Ray dashboard shows of the job: no operator key, no database URL
     env = info.runtime_env["env_vars"]
-    assert set(env) == {"DPTUNE_CONTROL_URL", "DPTUNE_JOB_TOKEN", "DPTUNE_DATA_DIR",
-                        "PYTHONUNBUFFERED"}
+    assert set(env) == {
+        "DPTUNE_CONTROL_URL",
+        "DPTUNE_JOB_TOKEN",
+        "DPTUNE_DATA_DIR",
+        "PYTHONUNBUFFERED",
+    }
     assert OPERATOR["Authorization"][7:] not in str(info) and "sqlite" not in str(info)
 
 
@@ -103,8 +114,12 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     job = service.post("/v1/jobs", spec)
 
     def training(j: dict) -> bool:
-        running = [a for t in service.get(f"/v1/jobs/{j['id']}/trials")
-                   for a in t["attempts"] if a["ended_at"] is None]
+        running = [
+            a
+            for t in service.get(f"/v1/jobs/{j['id']}/trials")
+            for a in t["attempts"]
+            if a["ended_at"] is None
+        ]
         return bool(running and trial_processes())
 
     service.wait(job["id"], until=training)
@@ -112,8 +127,11 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     env = environment(victim)  # a trial holds no database URL and no operator key
     assert env["DPTUNE_JOB_TOKEN"].startswith("dpr_") and "DPTUNE_CONTROL_URL" in env
     assert not {"DPTUNE_DATABASE_URL", "DPTUNE_OPERATOR_KEY"} & set(env)
-    assert not any(secret in value for value in env.values()
-                   for secret in ("e2e-db-passw0rd", *OPERATOR_ENV.values(), "sqlite"))
+    assert not any(
+        secret in value
+        for value in env.values()
+        for secret in ("e2e-db-passw0rd", *OPERATOR_ENV.values(), "sqlite")
+    )
     os.kill(victim, signal.SIGKILL)
     done = service.wait(job["id"])
     assert done["status"] == "released"
@@ -131,14 +149,22 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize("privacy", [
-    {"accounting": "lt", "expected_trials": 2},
-    {"accounting": "ps", "mean": 2, "eta": 1},
-])
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"accounting": "lt", "expected_trials": 2},
+        {"accounting": "ps", "mean": 2, "eta": 1},
+    ],
+)
 def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
-        service, digits, privacy) -> None:
-    analyst = {"Authorization": "Bearer " + service.post(
-        "/v1/keys", {"name": "ana", "role": "analyst", "datasets": [digits]})["secret"]}
+    service, digits, privacy
+) -> None:
+    analyst = {
+        "Authorization": "Bearer "
+        + service.post("/v1/keys", {"name": "ana", "role": "analyst", "datasets": [digits]})[
+            "secret"
+        ]
+    }
     accounting = privacy.pop("accounting")
     job = service.post("/v1/jobs", small_job(digits, accounting, **privacy), headers=analyst)
     plan = job["plan"]
@@ -156,8 +182,7 @@ def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
     else:
         assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
     if accounting == "lt":  # ε = 3ε₁ + 3√(2δ₁), ε₁ from the trial's curve
-        delta1 = ((plan["delta"] - plan["method"]["delta2"]) /
-                  (3 * plan["trials"]["max"])) ** 2 / 2
+        delta1 = ((plan["delta"] - plan["method"]["delta2"]) / (3 * plan["trials"]["max"])) ** 2 / 2
         eps1 = epsilon_from_rdp(curve, delta1)[0]
         assert plan["epsilon"] == pytest.approx(3 * eps1 + 3 * (2 * delta1) ** 0.5)
 
@@ -170,8 +195,7 @@ def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
         (trial,) = trials
         assert trial["released"] and trial["index"] is None and trial["attempts"] is None
         assert all(m["public"] for m in trial["metrics"])
-        assert service.client.get(f"/v1/jobs/{job['id']}/model",
-                                  headers=analyst).status_code == 200
+        assert service.client.get(f"/v1/jobs/{job['id']}/model", headers=analyst).status_code == 200
     else:  # Poisson drew K = 0: nothing ran, nothing to show
         assert trials == []
 
@@ -195,8 +219,10 @@ def test_cancel_charges_what_ran(service, digits) -> None:
 
 def test_restart_reconciles_a_job_stopped_while_the_service_was_down(start_service) -> None:
     with start_service() as first:
-        dataset = first.post("/v1/datasets", {"name": "digits", "source": "builtin:digits",
-                                              "epsilon": 10.0, "delta": 1e-5})["id"]
+        dataset = first.post(
+            "/v1/datasets",
+            {"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
+        )["id"]
         spec = small_job(dataset)
         spec["epochs"] = 30
         job = first.post("/v1/jobs", spec)
@@ -211,12 +237,10 @@ def test_restart_reconciles_a_job_stopped_while_the_service_was_down(start_servi
     with start_service() as second:
         done = second.get(f"/v1/jobs/{job['id']}")
         assert done["status"] == "cancelled"
-        attempts = sum(len(t["attempts"])
-                       for t in second.get(f"/v1/jobs/{job['id']}/trials"))
+        attempts = sum(len(t["attempts"]) for t in second.get(f"/v1/jobs/{job['id']}/trials"))
         budget = second.get(f"/v1/datasets/{dataset}/budget")
         assert len(charged(budget)) == attempts >= 1
-        assert budget["spent"] == pytest.approx(composed_trials(job["plan"], attempts),
-                                                rel=1e-9)
+        assert budget["spent"] == pytest.approx(composed_trials(job["plan"], attempts), rel=1e-9)
         assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
 
 
@@ -227,8 +251,11 @@ def test_a_job_lost_by_ray_is_failed_and_charged_in_full(start_service, data_dir
 
     settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
     with TestClient(create_app(settings)) as client:  # never submitted to Ray
-        dataset = client.post("/v1/datasets", headers=OPERATOR, json={
-            "name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5}).json()
+        dataset = client.post(
+            "/v1/datasets",
+            headers=OPERATOR,
+            json={"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
+        ).json()
         spec = small_job(dataset["id"])
         spec["validation"] = {"split": "private", "noise": 10.0}
         job = client.post("/v1/jobs", headers=OPERATOR, json=spec).json()

@@ -12,8 +12,13 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "step_overhead.py"
 
 def test_quick_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
-    done = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fast" in done.stdout
     results = json.loads(out.read_text())

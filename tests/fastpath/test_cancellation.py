@@ -106,18 +106,19 @@ LAYERS = {
 @pytest.mark.parametrize("function", ["abadi", "auto_s", "auto_v"])
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("clipper", CLIPPERS)
-def test_no_example_contributes_more_than_its_bound(clipper: str, layer: str,
-                                                    function: str) -> None:
+def test_no_example_contributes_more_than_its_bound(
+    clipper: str, layer: str, function: str
+) -> None:
     torch.manual_seed(0)
     model, x, target = LAYERS[layer]()
     groups = [[n for n, _ in model.named_parameters()]]
     coef_fn = coefficient_fn(function, R, len(groups))
     worst, worst_i = 0.0, -1
     for i in range(len(x)):
-        _, sums = CLIPPERS[clipper](model, output_gradient_loss, x[i:i + 1], target[i:i + 1],
-                                    groups, coef_fn)
+        _, sums = CLIPPERS[clipper](
+            model, output_gradient_loss, x[i : i + 1], target[i : i + 1], groups, coef_fn
+        )
         got = math.sqrt(sum(float(s.double().square().sum()) for s in sums.values()))
         if got > worst:
             worst, worst_i = got, i
     assert worst <= R * (1 + 1e-6), f"candidate {worst_i} contributes {worst:.4g} > R = {R}"
-

@@ -29,14 +29,17 @@ def reference(model: nn.Module, x: Tensor, y: Tensor, groups: list[list[str]], c
         return LOSS(functional_call(model, p, (xi[None],)), yi[None]).sum()
 
     per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    norms = torch.stack([
-        torch.stack([torch.cat([per_sample[n][i].flatten() for n in g]).norm() for g in groups])
-        for i in range(x.shape[0])
-    ])
+    norms = torch.stack(
+        [
+            torch.stack([torch.cat([per_sample[n][i].flatten() for n in g]).norm() for g in groups])
+            for i in range(x.shape[0])
+        ]
+    )
     coef = coef_fn(norms)
     sums = {
         n: sum(coef[i, m] * per_sample[n][i] for i in range(x.shape[0]))
-        for m, g in enumerate(groups) for n in g
+        for m, g in enumerate(groups)
+        for n in g
     }
     return norms, sums
 
@@ -70,8 +73,9 @@ def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
     assert err <= RTOL, f"{what}: relative error {err:.2e}"
 
 
-def check(model: nn.Module, x: Tensor, y: Tensor, style_name: str = "all_layer",
-          threshold: float = 0.5) -> tuple[Tensor, dict[str, Tensor]]:
+def check(
+    model: nn.Module, x: Tensor, y: Tensor, style_name: str = "all_layer", threshold: float = 0.5
+) -> tuple[Tensor, dict[str, Tensor]]:
     groups = style(model, style_name)
     norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(threshold))
     ref_norms, ref_sums = reference(model, x, y, groups, abadi(threshold))
@@ -227,8 +231,9 @@ def test_chunked_norms_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("ghost", [True, False])
-def test_ghost_and_instantiated_norms_both_match(monkeypatch: pytest.MonkeyPatch,
-                                                 ghost: bool) -> None:
+def test_ghost_and_instantiated_norms_both_match(
+    monkeypatch: pytest.MonkeyPatch, ghost: bool
+) -> None:
     """Each side of the ghost-or-instantiate choice, forced, on every Linear and convolution."""
     monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: ghost)
     torch.manual_seed(0)
@@ -380,11 +385,19 @@ def test_one_forward_no_weight_gradients_one_coef_call() -> None:
 
 def test_empty_batch_gives_zero_sums() -> None:
     model = Mlp()
-    norms, sums = clipped_grad_sum(model, LOSS, torch.zeros(0, 6), torch.zeros(0, dtype=torch.long),
-                                   style(model, "layer_wise"), abadi(1.0))
+    norms, sums = clipped_grad_sum(
+        model,
+        LOSS,
+        torch.zeros(0, 6),
+        torch.zeros(0, dtype=torch.long),
+        style(model, "layer_wise"),
+        abadi(1.0),
+    )
     assert norms.shape == (0, 2)
-    assert all(v.shape == p.shape and not v.any() for v, p in zip(sums.values(),
-                                                                  model.parameters(), strict=True))
+    assert all(
+        v.shape == p.shape and not v.any()
+        for v, p in zip(sums.values(), model.parameters(), strict=True)
+    )
 
 
 def test_bad_groups_are_named() -> None:
@@ -401,8 +414,7 @@ def test_bad_groups_are_named() -> None:
 def test_mean_loss_is_rejected() -> None:
     model, (x, y) = Mlp(), data("dense")
     with pytest.raises(ValueError, match="loss_fn: must return per-sample losses"):
-        clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, style(model, "all_layer"),
-                         abadi(1.0))
+        clipped_grad_sum(model, nn.CrossEntropyLoss(), x, y, style(model, "all_layer"), abadi(1.0))
 
 
 def test_batch_norm_in_training_is_rejected() -> None:

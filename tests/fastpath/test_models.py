@@ -32,7 +32,7 @@ FAST = {"logreg", "mlp", "cnn", "resnet18"}  # no layer may fall back
 
 def _styles(model: nn.Module) -> list[list[list[str]]]:
     names = [n for n, _ in model.named_parameters()]
-    return [[names], [[n] for n in names], [names[: len(names) // 2], names[len(names) // 2:]]]
+    return [[names], [[n] for n in names], [names[: len(names) // 2], names[len(names) // 2 :]]]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -12,8 +12,11 @@ from runner.search import candidates, random_candidate
 
 
 def test_grid_times_random_draws() -> None:
-    space = {"optimizer.lr": {"grid": [0.1, 0.5]}, "method.threshold": {"log_uniform": [0.1, 10]},
-             "method.clipping": {"values": ["abadi", "auto_s"]}}
+    space = {
+        "optimizer.lr": {"grid": [0.1, 0.5]},
+        "method.threshold": {"log_uniform": [0.1, 10]},
+        "method.clipping": {"values": ["abadi", "auto_s"]},
+    }
     cands = candidates(space, 3, seed=1)
     assert len(cands) == 6
     assert [c["optimizer.lr"] for c in cands] == [0.1] * 3 + [0.5] * 3
@@ -53,8 +56,11 @@ def test_papernot_steinke_counts_have_the_stated_mean(eta: float | None) -> None
         assert ks.min() >= 1
         # P[K = 1] of Def. 1: (1−γ)/(γ^(−η) − 1)·η, or (1−γ)/ln(1/γ) when η = 0
         gamma = tnb_gamma(6.0, eta)
-        p1 = (1 - gamma) / math.log(1 / gamma) if eta == 0 else (
-            (1 - gamma) * eta / (gamma**-eta - 1))
+        p1 = (
+            (1 - gamma) / math.log(1 / gamma)
+            if eta == 0
+            else ((1 - gamma) * eta / (gamma**-eta - 1))
+        )
         assert (ks == 1).mean() == pytest.approx(p1, abs=0.015)
 
 
@@ -69,8 +75,10 @@ def test_fixed_accounting_has_no_random_count() -> None:
 def test_random_stopping_candidates_come_from_os_entropy() -> None:
     """Under lt/ps the released hyperparameters must not tell which draw won: candidates used
     to be drawn from the analyst's seed, so replaying it gave the winner's index (K ≥ index)."""
-    space = {"optimizer.lr": {"log_uniform": [1e-4, 1.0]},
-             "method.clipping": {"values": ["abadi", "auto_s", "auto_v"]}}
+    space = {
+        "optimizer.lr": {"log_uniform": [1e-4, 1.0]},
+        "method.clipping": {"values": ["abadi", "auto_s", "auto_v"]},
+    }
     draws = []
     for _ in range(2):
         np.random.seed(0)  # every global generator in a state the analyst could know

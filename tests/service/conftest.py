@@ -30,16 +30,28 @@ class Api:
     client: TestClient
     operator: dict[str, str]
 
-    def register(self, name: str = "digits", epsilon: float = 4.0, delta: float = 1e-5,
-                 source: str = "builtin:digits", **extra: Any) -> dict[str, Any]:
-        r = self.client.post("/v1/datasets", headers=self.operator, json={
-            "name": name, "source": source, "epsilon": epsilon, "delta": delta, **extra})
+    def register(
+        self,
+        name: str = "digits",
+        epsilon: float = 4.0,
+        delta: float = 1e-5,
+        source: str = "builtin:digits",
+        **extra: Any,
+    ) -> dict[str, Any]:
+        r = self.client.post(
+            "/v1/datasets",
+            headers=self.operator,
+            json={"name": name, "source": source, "epsilon": epsilon, "delta": delta, **extra},
+        )
         assert r.status_code == 201, r.text
         return r.json()
 
     def analyst(self, *datasets: int) -> dict[str, str]:
-        r = self.client.post("/v1/keys", headers=self.operator,
-                             json={"name": "ana", "role": "analyst", "datasets": list(datasets)})
+        r = self.client.post(
+            "/v1/keys",
+            headers=self.operator,
+            json={"name": "ana", "role": "analyst", "datasets": list(datasets)},
+        )
         assert r.status_code == 201, r.text
         return bearer(r.json()["secret"])
 

@@ -16,8 +16,12 @@ def test_analyst_scope(api, spec):
     assert api.budget(theirs)["entries"] == []
 
     job = c.post("/v1/jobs", headers=ana, json=spec(mine)).json()["id"]
-    for method, path in (("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/trials"),
-                         ("GET", f"/v1/jobs/{job}/model"), ("POST", f"/v1/jobs/{job}/cancel")):
+    for method, path in (
+        ("GET", f"/v1/jobs/{job}"),
+        ("GET", f"/v1/jobs/{job}/trials"),
+        ("GET", f"/v1/jobs/{job}/model"),
+        ("POST", f"/v1/jobs/{job}/cancel"),
+    ):
         assert c.request(method, path, headers=other).status_code == 404
     assert c.get("/v1/jobs", headers=other).json() == []
     assert c.get(f"/v1/jobs/{job}", headers=api.operator).status_code == 200
@@ -36,8 +40,11 @@ def test_operator_only(api, dataset, ana):
     assert c.get("/v1/keys", headers=ana).status_code == 403
     r = c.post("/v1/keys", headers=ana, json={"role": "operator"})
     assert r.status_code == 403
-    r = c.post("/v1/datasets", headers=ana, json={
-        "name": "x", "source": "builtin:digits", "epsilon": 1, "delta": 1e-5})
+    r = c.post(
+        "/v1/datasets",
+        headers=ana,
+        json={"name": "x", "source": "builtin:digits", "epsilon": 1, "delta": 1e-5},
+    )
     assert r.status_code == 403
     assert len(c.get("/v1/keys", headers=api.operator).json()) == 2  # nothing was created
 
@@ -50,8 +57,9 @@ def test_key_validation(api, dataset):
     c = api.client
     r = c.post("/v1/keys", headers=api.operator, json={"role": "analyst", "datasets": [99]})
     assert r.status_code == 422 and r.json()["detail"].startswith("datasets:")
-    r = c.post("/v1/keys", headers=api.operator,
-               json={"role": "operator", "datasets": [dataset["id"]]})
+    r = c.post(
+        "/v1/keys", headers=api.operator, json={"role": "operator", "datasets": [dataset["id"]]}
+    )
     assert r.status_code == 422 and r.json()["detail"].startswith("datasets:")
     r = c.post("/v1/keys", headers=api.operator, json={"role": "root"})
     assert r.status_code == 422 and r.json()["detail"].startswith("role:")

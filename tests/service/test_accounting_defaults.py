@@ -34,8 +34,9 @@ DEFAULTED = {  # the spec fields each method leaves to the planner
 }
 
 
-def job_body(spec: Callable[..., dict[str, Any]], dataset: int, accounting: str,
-             **privacy: Any) -> dict[str, Any]:
+def job_body(
+    spec: Callable[..., dict[str, Any]], dataset: int, accounting: str, **privacy: Any
+) -> dict[str, Any]:
     body = spec(dataset, epsilon=JOB_EPSILON, **{**PRIVACY[accounting], **privacy})
     body["epochs"] = 0.5
     if accounting != "rdp":  # random stopping draws candidates from a prior, no grids
@@ -50,8 +51,9 @@ def delta_held(api, dataset: int) -> float:
 
 
 def submit(api, spec, dataset: int, accounting: str, **privacy: Any) -> dict[str, Any]:
-    r = api.client.post("/v1/jobs", headers=api.operator,
-                        json=job_body(spec, dataset, accounting, **privacy))
+    r = api.client.post(
+        "/v1/jobs", headers=api.operator, json=job_body(spec, dataset, accounting, **privacy)
+    )
     assert r.status_code == 202, r.text
     return r.json()["plan"]
 
@@ -103,8 +105,9 @@ def test_default_cap_and_its_charge(api, spec, eta: Any, tail: Callable[[int], f
     assert reservation["delta"] == pytest.approx(cost(cap), rel=1e-9)
 
     # The job's own (ε, δ): ε ≥ ε_rdp(δ − (1 + e^ε)·t), and no smaller ε is.
-    trial = (rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
-             + gaussian_rdp(plan["validation_noise"]))
+    trial = rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"]) + gaussian_rdp(
+        plan["validation_noise"]
+    )
     curve = tuning_rdp(trial, MEAN, None if eta == "poisson" else 1.0)
     eps, t = plan["epsilon"], tail(cap)
     assert eps >= epsilon_from_rdp(curve, DELTA - (1 + math.exp(eps)) * t)[0]
@@ -116,8 +119,9 @@ def test_a_cap_whose_cost_leaves_no_delta_is_refused(api, spec) -> None:
     dataset = api.register(epsilon=BUDGET, delta=DELTA)["id"]
     cap = 40  # P[K > 40] = 9e-8 < δ, but (1 + e^20)·9e-8 ≈ 44 > δ
     assert geometric_tail(cap) < DELTA < (1 + math.exp(BUDGET)) * geometric_tail(cap)
-    r = api.client.post("/v1/jobs", headers=api.operator,
-                        json=job_body(spec, dataset, "ps", max_trials=cap))
+    r = api.client.post(
+        "/v1/jobs", headers=api.operator, json=job_body(spec, dataset, "ps", max_trials=cap)
+    )
     assert r.status_code == 422, r.text
     assert r.json()["detail"].startswith("privacy.max_trials:")
     assert api.budget(dataset)["entries"] == []

@@ -17,8 +17,10 @@ def test_serve_command(monkeypatch):
         return NullOrchestrator(dashboard_url="http://ray:8265")
 
     monkeypatch.setattr("service.cli.serve.ray_orchestrator", orchestrator)
-    monkeypatch.setattr("service.cli.serve.uvicorn.run",
-                        lambda app, host, port: calls.append((type(app).__name__, host, port)))
+    monkeypatch.setattr(
+        "service.cli.serve.uvicorn.run",
+        lambda app, host, port: calls.append((type(app).__name__, host, port)),
+    )
     app = typer.Typer()
     app.command()(serve)
     runner = CliRunner()

@@ -23,8 +23,7 @@ def server(settings) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                            log_level="warning")
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -52,9 +51,16 @@ def _post_all(url: str, headers: dict, body: dict, extra: list[dict]) -> list[ht
 def test_concurrent_admissions_never_overspend(server, settings, spec):
     op = {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
     with httpx.Client(base_url=server, timeout=60) as http:
-        ds = http.post("/v1/datasets", headers=op, json={
-            "name": "digits", "source": "builtin:digits", "epsilon": 3.0, "delta": 1e-5,
-        }).json()["id"]
+        ds = http.post(
+            "/v1/datasets",
+            headers=op,
+            json={
+                "name": "digits",
+                "source": "builtin:digits",
+                "epsilon": 3.0,
+                "delta": 1e-5,
+            },
+        ).json()["id"]
         body = spec(ds, epsilon=1.0)
         body["validation"] = {"split": "private", "noise": 50.0}
         plan = http.post("/v1/plans", headers=op, json=body).json()  # warms the plan cache
@@ -77,9 +83,16 @@ def test_concurrent_admissions_never_overspend(server, settings, spec):
 def test_idempotency_key_charges_once(server, settings, spec):
     op = {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
     with httpx.Client(base_url=server, timeout=60) as http:
-        ds = http.post("/v1/datasets", headers=op, json={
-            "name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5,
-        }).json()["id"]
+        ds = http.post(
+            "/v1/datasets",
+            headers=op,
+            json={
+                "name": "digits",
+                "source": "builtin:digits",
+                "epsilon": 10.0,
+                "delta": 1e-5,
+            },
+        ).json()["id"]
         body = spec(ds, epsilon=1.0)
         first = http.post("/v1/jobs", headers=op | {"Idempotency-Key": "a"}, json=body)
         assert first.status_code == 202
@@ -87,8 +100,9 @@ def test_idempotency_key_charges_once(server, settings, spec):
         again = http.post("/v1/jobs", headers=op | {"Idempotency-Key": "a"}, json=body)
         assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
         assert again.json()["id"] == first.json()["id"]
-        other = http.post("/v1/jobs", headers=op | {"Idempotency-Key": "a"},
-                          json=spec(ds, epsilon=2.0))
+        other = http.post(
+            "/v1/jobs", headers=op | {"Idempotency-Key": "a"}, json=spec(ds, epsilon=2.0)
+        )
         assert other.status_code == 409 and other.json()["detail"].startswith("Idempotency-Key")
 
     # Concurrent retries of one request: a single job, a single reservation.

@@ -24,8 +24,11 @@ def _npz(path, n=40, **overrides) -> None:
 
 
 def _post(api, name, source, **extra):
-    return api.client.post("/v1/datasets", headers=api.operator, json={
-        "name": name, "source": source, "epsilon": 4.0, "delta": 1e-5, **extra})
+    return api.client.post(
+        "/v1/datasets",
+        headers=api.operator,
+        json={"name": name, "source": source, "epsilon": 4.0, "delta": 1e-5, **extra},
+    )
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 1e39])  # 1e39 is inf in float32
@@ -71,11 +74,18 @@ def test_a_trial_refuses_data_changed_after_registration(api, settings) -> None:
     registered = _post(api, "mine", "npz:mine.npz", num_classes=3).json()
     with Session(create_db_engine(settings.sqlalchemy_url)) as session:
         row = session.get(Dataset, registered["id"])
-        data = DatasetConfig(source=row.source, num_classes=row.num_classes,
-                             sha256=row.content_sha256)
-    cfg = TrialConfig(dataset=data, model={"name": "logreg"}, batch_size=8, epochs=0.2,
-                      noise_multiplier=1.0, validation={"split": "private", "noise": 1.0},
-                      device="cpu")
+        data = DatasetConfig(
+            source=row.source, num_classes=row.num_classes, sha256=row.content_sha256
+        )
+    cfg = TrialConfig(
+        dataset=data,
+        model={"name": "logreg"},
+        batch_size=8,
+        epochs=0.2,
+        noise_multiplier=1.0,
+        validation={"split": "private", "noise": 1.0},
+        device="cpu",
+    )
     assert run_trial(cfg, data_dir=settings.data_path).result["steps"] >= 1
     _npz(path, n=80)  # the file grows: q = B/N would be overstated, the cost understated
     with pytest.raises(ValueError, match=r"dataset\.sha256"):
@@ -90,13 +100,15 @@ def test_operators_see_source_analysts_do_not(api) -> None:
 
 
 @pytest.mark.parametrize("metric", ["train_loss", "val_loss", "accuracy"])
-def test_selection_metrics_other_than_the_dp_score_are_refused(client, dataset, ana, spec,
-                                                               metric) -> None:
+def test_selection_metrics_other_than_the_dp_score_are_refused(
+    client, dataset, ana, spec, metric
+) -> None:
     body = spec(dataset["id"]) | {"selection": {"metric": metric, "mode": "max"}}
     for path in ("/v1/plans", "/v1/jobs"):
         r = client.post(path, headers=ana, json=body)
         assert r.status_code == 422 and r.json()["errors"][0]["field"].startswith(
-            "selection.metric"), r.text
+            "selection.metric"
+        ), r.text
     assert client.get("/v1/jobs", headers=ana).json() == []
 
 

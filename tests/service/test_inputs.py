@@ -18,20 +18,23 @@ def _field(response) -> str:
     return response.json()["detail"].split(":", 1)[0]
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"epsilon": -1}, "epsilon"),
-    ({"epsilon": 0}, "epsilon"),
-    ({"delta": 1.0}, "delta"),
-    ({"delta": 0}, "delta"),
-    ({"source": "npz:../outside.npz"}, "source"),
-    ({"source": "npz:/etc/passwd"}, "source"),
-    ({"source": "npz:sub/../../outside.npz"}, "source"),
-    ({"source": "builtin:imagenet"}, "source"),
-    ({"name": "digits"}, "name"),  # already registered
-    ({"owner": "me"}, "owner"),
-    ({"options": {"bogus": 1}}, "options.bogus"),
-    ({"options": {"x": [1, 2]}}, "options.x"),
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"epsilon": -1}, "epsilon"),
+        ({"epsilon": 0}, "epsilon"),
+        ({"delta": 1.0}, "delta"),
+        ({"delta": 0}, "delta"),
+        ({"source": "npz:../outside.npz"}, "source"),
+        ({"source": "npz:/etc/passwd"}, "source"),
+        ({"source": "npz:sub/../../outside.npz"}, "source"),
+        ({"source": "builtin:imagenet"}, "source"),
+        ({"name": "digits"}, "name"),  # already registered
+        ({"owner": "me"}, "owner"),
+        ({"options": {"bogus": 1}}, "options.bogus"),
+        ({"options": {"x": [1, 2]}}, "options.x"),
+    ],
+)
 def test_bad_dataset(api, dataset, change, field):
     body = {"name": "d2", "source": "builtin:digits", "epsilon": 1, "delta": 1e-5} | change
     before = _changed(api, dataset["id"])
@@ -41,15 +44,19 @@ def test_bad_dataset(api, dataset, change, field):
     assert _changed(api, dataset["id"]) == before
 
 
-@pytest.mark.parametrize(("raw", "field"), [
-    ('"epsilon": NaN, "delta": 1e-5', "epsilon"),
-    ('"epsilon": 1, "delta": Infinity', "delta"),
-    ('"epsilon": 1, "delta": 1e-5, "options": {"scale": NaN}', "options.scale"),
-])
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ('"epsilon": NaN, "delta": 1e-5', "epsilon"),
+        ('"epsilon": 1, "delta": Infinity', "delta"),
+        ('"epsilon": 1, "delta": 1e-5, "options": {"scale": NaN}', "options.scale"),
+    ],
+)
 def test_non_finite_numbers_in_raw_json(api, dataset, raw, field):
     body = '{"name": "d2", "source": "builtin:heavy_tail", ' + raw + "}"
-    r = api.client.post("/v1/datasets", headers=api.operator | {"content-type": "application/json"},
-                        content=body)
+    r = api.client.post(
+        "/v1/datasets", headers=api.operator | {"content-type": "application/json"}, content=body
+    )
     assert r.status_code == 422 and _field(r) == field
 
 
@@ -63,44 +70,53 @@ def _set(body: dict, path: str, value) -> dict:
     return body
 
 
-HUGE_GRID = {f"{p}": {"grid": [0.1 * (i + 1) for i in range(20)]}
-             for p in ("optimizer.lr", "method.threshold", "optimizer.weight_decay")}
+HUGE_GRID = {
+    f"{p}": {"grid": [0.1 * (i + 1) for i in range(20)]}
+    for p in ("optimizer.lr", "method.threshold", "optimizer.weight_decay")
+}
 
 
-@pytest.mark.parametrize(("path", "value", "field"), [
-    ("privacy/epsilon", -1, "privacy.epsilon"),
-    ("privacy/epsilon", float("nan"), "privacy.epsilon"),
-    ("privacy/epsilon", float("inf"), "privacy.epsilon"),
-    ("privacy/epsilon", 1e-6, "privacy.epsilon"),  # no noise makes it this small
-    ("privacy/delta", 1.5, "privacy.delta"),
-    ("privacy/delta", 0.01, "privacy.delta"),  # more than the dataset's δ
-    ("privacy/accounting", "magic", "privacy.accounting"),
-    ("privacy/trials", 0, "privacy.trials"),
-    ("privacy/gamma", 0.5, "privacy.gamma"),  # not an rdp parameter
-    ("method/clipping", "magic", "method.clipping"),
-    ("method/style", "groups", "method.groups"),
-    ("model/name", "gpt", "model.name"),
-    ("optimizer/lr", float("inf"), "optimizer.lr"),
-    ("batch_size", 10**6, "batch_size"),  # larger than the dataset
-    ("batch_size", -5, "batch_size"),
-    ("search_space", HUGE_GRID, "search_space"),
-    ("search_space", {"batch_size": {"grid": [32, 64]}}, "search_space.batch_size"),
-    ("search_space", {"optimizer.lr": {"grid": [-1.0]}}, "search_space.optimizer.lr"),
-    ("search_space", {"optimizer.lr": {"log_uniform": [1, 0.1]}}, "search_space.optimizer.lr"),
-    ("search_space", {"optimizer.lr": {"values": [0.1]}}, "privacy.trials"),
-    ("dataset", 999, "dataset"),
-    ("validation", {"split": "private"}, "validation"),
-    ("method/adaptive", {"rule": "dcsgd_p", "histogram_noise": 0.01},
-     "method.adaptive.histogram_noise"),
-    ("resources", {"gpu": 100}, "resources.gpu"),
-    ("surprise", 1, "surprise"),
-])
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("privacy/epsilon", -1, "privacy.epsilon"),
+        ("privacy/epsilon", float("nan"), "privacy.epsilon"),
+        ("privacy/epsilon", float("inf"), "privacy.epsilon"),
+        ("privacy/epsilon", 1e-6, "privacy.epsilon"),  # no noise makes it this small
+        ("privacy/delta", 1.5, "privacy.delta"),
+        ("privacy/delta", 0.01, "privacy.delta"),  # more than the dataset's δ
+        ("privacy/accounting", "magic", "privacy.accounting"),
+        ("privacy/trials", 0, "privacy.trials"),
+        ("privacy/gamma", 0.5, "privacy.gamma"),  # not an rdp parameter
+        ("method/clipping", "magic", "method.clipping"),
+        ("method/style", "groups", "method.groups"),
+        ("model/name", "gpt", "model.name"),
+        ("optimizer/lr", float("inf"), "optimizer.lr"),
+        ("batch_size", 10**6, "batch_size"),  # larger than the dataset
+        ("batch_size", -5, "batch_size"),
+        ("search_space", HUGE_GRID, "search_space"),
+        ("search_space", {"batch_size": {"grid": [32, 64]}}, "search_space.batch_size"),
+        ("search_space", {"optimizer.lr": {"grid": [-1.0]}}, "search_space.optimizer.lr"),
+        ("search_space", {"optimizer.lr": {"log_uniform": [1, 0.1]}}, "search_space.optimizer.lr"),
+        ("search_space", {"optimizer.lr": {"values": [0.1]}}, "privacy.trials"),
+        ("dataset", 999, "dataset"),
+        ("validation", {"split": "private"}, "validation"),
+        (
+            "method/adaptive",
+            {"rule": "dcsgd_p", "histogram_noise": 0.01},
+            "method.adaptive.histogram_noise",
+        ),
+        ("resources", {"gpu": 100}, "resources.gpu"),
+        ("surprise", 1, "surprise"),
+    ],
+)
 @pytest.mark.parametrize("endpoint", ["/v1/plans", "/v1/jobs"])
 def test_bad_job_spec(api, dataset, ana, spec, endpoint, path, value, field):
     body = _set(spec(dataset["id"]), path, value)
     before = _changed(api, dataset["id"])
-    r = api.client.post(endpoint, headers=ana | {"content-type": "application/json"},
-                        content=json.dumps(body))  # json.dumps writes NaN and Infinity
+    r = api.client.post(
+        endpoint, headers=ana | {"content-type": "application/json"}, content=json.dumps(body)
+    )  # json.dumps writes NaN and Infinity
     assert 400 <= r.status_code < 500, r.text
     if field == "dataset":
         assert r.status_code == 404
@@ -135,6 +151,7 @@ def test_oversized_body(api, dataset, ana, spec):
 
 
 def test_bad_idempotency_key(api, dataset, ana, spec):
-    r = api.client.post("/v1/jobs", headers=ana | {"Idempotency-Key": "k" * 201},
-                        json=spec(dataset["id"]))
+    r = api.client.post(
+        "/v1/jobs", headers=ana | {"Idempotency-Key": "k" * 201}, json=spec(dataset["id"])
+    )
     assert r.status_code == 422 and _field(r) == "idempotency-key"

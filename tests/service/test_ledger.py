@@ -26,8 +26,12 @@ from service.orchestration import JobState
 def opacus_epsilon(plan: dict, trials: int, delta: float) -> float:
     """ε of ``trials`` runs of the plan's trial (DP-SGD + private score), by Opacus."""
     orders = np.array([1 + x / 10 for x in range(1, 100)] + list(range(12, 64)))
-    per_trial = compute_rdp(q=plan["sample_rate"], noise_multiplier=plan["noise_multiplier"],
-                            steps=plan["steps"], orders=orders)
+    per_trial = compute_rdp(
+        q=plan["sample_rate"],
+        noise_multiplier=plan["noise_multiplier"],
+        steps=plan["steps"],
+        orders=orders,
+    )
     per_trial = per_trial + orders / (2 * plan["validation_noise"] ** 2)
     return get_privacy_spent(orders=orders, rdp=trials * per_trial, delta=delta)[0]
 
@@ -45,8 +49,7 @@ def _rows(session, job: int) -> list[LedgerEntry]:
 
 def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, session):
     ds = dataset["id"]
-    job = api.client.post("/v1/jobs", headers=ana,
-                          json=spec(ds, epsilon=2.0, max_retries=1)).json()
+    job = api.client.post("/v1/jobs", headers=ana, json=spec(ds, epsilon=2.0, max_retries=1)).json()
     plan, jid = job["plan"], job["id"]
     assert plan["attempts_reserved"] == 4  # 2 trials, each with one retry reserved
 
@@ -68,8 +71,10 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
     assert budget["reserved"] == 0
     assert budget["spent"] == pytest.approx(opacus_epsilon(plan, 3, 1e-5), rel=0.03)
     rows = _rows(session, jid)
-    vec = {kind: sum(ledger.entry_amount(r) for r in rows if r.kind == kind)
-           for kind in ("reservation", "charge", "release")}
+    vec = {
+        kind: sum(ledger.entry_amount(r) for r in rows if r.kind == kind)
+        for kind in ("reservation", "charge", "release")
+    }
     np.testing.assert_allclose(vec["charge"] + vec["release"], vec["reservation"], rtol=1e-12)
     np.testing.assert_allclose(vec["release"], vec["reservation"] / 4, rtol=1e-12)
 
@@ -124,8 +129,10 @@ def test_ledger_rows_are_append_only(api, dataset, ana, spec, session):
 
 
 def _metrics(value: float) -> list[dict]:
-    return [{"name": "train_loss", "value": value, "epoch": 1, "public": False},
-            {"name": "val_accuracy", "value": value, "epoch": 1, "public": True}]
+    return [
+        {"name": "train_loss", "value": value, "epoch": 1, "public": False},
+        {"name": "val_accuracy", "value": value, "epoch": 1, "public": True},
+    ]
 
 
 @pytest.mark.parametrize("accounting", ["rdp", "ps"])
@@ -146,8 +153,14 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
 
     trial = session.get(Job, jid).trials[1]
     weights = {"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    release_model(session, settings.data_path, trial.id, weights, {"model": {"name": "mlp"}},
-                  {"num_classes": 10, "input_shape": [64]})
+    release_model(
+        session,
+        settings.data_path,
+        trial.id,
+        weights,
+        {"model": {"name": "mlp"}},
+        {"num_classes": 10, "input_shape": [64]},
+    )
     lifecycle.apply_state(session, jid, JobState.SUCCEEDED)
 
     seen = c.get(f"/v1/jobs/{jid}/trials", headers=ana).json()
@@ -156,9 +169,20 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
     if accounting == "rdp":
         assert [t["index"] for t in seen] == [0, 1]
     else:  # only the released trial, and nothing that reveals how many ran
-        assert seen == [{"index": None, "params": {"optimizer.lr": 0.2}, "score": 1.8,
-                         "metrics": _metrics(1.5)[1:], "thresholds": None, "released": True,
-                         "status": None, "steps": None, "attempts": None, "epsilon": None}]
+        assert seen == [
+            {
+                "index": None,
+                "params": {"optimizer.lr": 0.2},
+                "score": 1.8,
+                "metrics": _metrics(1.5)[1:],
+                "thresholds": None,
+                "released": True,
+                "status": None,
+                "steps": None,
+                "attempts": None,
+                "epsilon": None,
+            }
+        ]
     full = c.get(f"/v1/jobs/{jid}/trials", headers=api.operator).json()
     assert len(full) == 2 and len(full[0]["metrics"]) == 2 and full[0]["attempts"]
 
@@ -174,7 +198,9 @@ class ReportsFailed:
     dashboard_url = None
 
     def submit(self, submission) -> None: ...
-    def status(self, job_id: int) -> JobState: return JobState.FAILED
+    def status(self, job_id: int) -> JobState:
+        return JobState.FAILED
+
     def cancel(self, job_id: int) -> None: ...
     def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
         return dict.fromkeys(job_ids, JobState.FAILED)
@@ -183,8 +209,11 @@ class ReportsFailed:
 def test_restart_reconciles_and_settles(settings, spec):
     with TestClient(create_app(settings)) as c:
         op = {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
-        ds = c.post("/v1/datasets", headers=op, json={
-            "name": "d", "source": "builtin:digits", "epsilon": 4, "delta": 1e-5}).json()["id"]
+        ds = c.post(
+            "/v1/datasets",
+            headers=op,
+            json={"name": "d", "source": "builtin:digits", "epsilon": 4, "delta": 1e-5},
+        ).json()["id"]
         jid = c.post("/v1/jobs", headers=op, json=spec(ds, epsilon=2.0)).json()["id"]
         with c.app.state.sessions() as session:
             start_attempt(session, jid, 0, {"optimizer.lr": 0.05})

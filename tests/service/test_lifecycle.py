@@ -11,13 +11,15 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from core.sampling import num_steps
 
 
-def opacus_epsilon(q: float, sigma: float, steps: int, delta: float, validation: float,
-                   trials: int) -> float:
+def opacus_epsilon(
+    q: float, sigma: float, steps: int, delta: float, validation: float, trials: int
+) -> float:
     """Independent check: Opacus's RDP analysis (signed series, its own order grid) of K
     trials, each T DP-SGD steps plus one Gaussian release with noise ``validation``."""
     orders = np.array([1 + x / 10 for x in range(1, 100)] + list(range(12, 64)))
-    per_trial = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders) \
-        + orders / (2 * validation**2)
+    per_trial = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders) + orders / (
+        2 * validation**2
+    )
     return get_privacy_spent(orders=orders, rdp=trials * per_trial, delta=delta)[0]
 
 
@@ -28,8 +30,12 @@ def test_health_and_auth(client, api):
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert client.get("/v1/datasets", headers=api.operator).json() == []
     paths = client.get("/openapi.json").json()["paths"]
-    assert {"/v1/keys", "/v1/datasets/{dataset_id}/budget", "/v1/plans", "/v1/jobs/{job_id}/model"
-            } <= set(paths)
+    assert {
+        "/v1/keys",
+        "/v1/datasets/{dataset_id}/budget",
+        "/v1/plans",
+        "/v1/jobs/{job_id}/model",
+    } <= set(paths)
 
 
 def test_lifecycle(client, api, dataset, ana, spec):
@@ -39,8 +45,14 @@ def test_lifecycle(client, api, dataset, ana, spec):
 
     assert [d["id"] for d in client.get("/v1/datasets", headers=ana).json()] == [ds]
     budget = client.get(f"/v1/datasets/{ds}/budget", headers=ana).json()
-    assert budget | {"entries": []} == {"epsilon": 4.0, "delta": 1e-5, "spent": 0.0,
-                                        "reserved": 0.0, "remaining": 4.0, "entries": []}
+    assert budget | {"entries": []} == {
+        "epsilon": 4.0,
+        "delta": 1e-5,
+        "spent": 0.0,
+        "reserved": 0.0,
+        "remaining": 4.0,
+        "entries": [],
+    }
 
     # A plan reserves nothing.
     plan = client.post("/v1/plans", headers=ana, json=spec(ds, epsilon=3.0)).json()
@@ -49,8 +61,9 @@ def test_lifecycle(client, api, dataset, ana, spec):
     assert plan["trials"] == {"distribution": "fixed", "mean": 2, "max": 2, "eta": None}
     assert 3.0 * (1 - 1e-3) <= plan["epsilon"] <= 3.0
     assert plan["delta"] == 1e-5 and plan["validation_noise"] == 20.0 and plan["fits"]
-    independent = opacus_epsilon(plan["sample_rate"], plan["noise_multiplier"], plan["steps"],
-                                 1e-5, 20.0, trials=2)
+    independent = opacus_epsilon(
+        plan["sample_rate"], plan["noise_multiplier"], plan["steps"], 1e-5, 20.0, trials=2
+    )
     assert plan["epsilon"] == pytest.approx(independent, rel=0.03)
     assert plan["remaining_epsilon"] == 4.0
     assert plan["remaining_epsilon_after"] == pytest.approx(4.0 - plan["epsilon"], rel=1e-6)
@@ -97,11 +110,14 @@ def test_lifecycle(client, api, dataset, ana, spec):
     assert budget["reserved"] == pytest.approx(second_alone["epsilon"], rel=1e-9)
 
 
-@pytest.mark.parametrize("privacy", [
-    {"accounting": "lt", "expected_trials": 4},
-    {"accounting": "ps", "mean": 4, "eta": 1},
-    {"accounting": "ps", "mean": 3, "eta": "poisson", "max_trials": 30},
-])
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"accounting": "lt", "expected_trials": 4},
+        {"accounting": "ps", "mean": 4, "eta": 1},
+        {"accounting": "ps", "mean": 3, "eta": "poisson", "max_trials": 30},
+    ],
+)
 def test_random_stopping_plans(client, dataset, ana, spec, privacy):
     body = spec(dataset["id"], epsilon=2.0, **privacy)
     body["search_space"] = {"optimizer.lr": {"log_uniform": [0.01, 1.0]}}
@@ -125,13 +141,19 @@ def test_dcsgd_plan_reports_gradient_noise(client, dataset, ana, spec):
 
 def test_npz_dataset_under_data_dir(api, settings):
     rng = np.random.default_rng(0)
-    np.savez(settings.data_path / "mine.npz", x=rng.normal(size=(300, 5)).astype(np.float32),
-             y=rng.integers(0, 3, size=300))
+    np.savez(
+        settings.data_path / "mine.npz",
+        x=rng.normal(size=(300, 5)).astype(np.float32),
+        y=rng.integers(0, 3, size=300),
+    )
     dataset = api.register("mine", source="npz:mine.npz", num_classes=3)
     assert (dataset["n"], dataset["num_classes"], dataset["input_shape"]) == (300, 3, [5])
     assert not dataset["public_validation"]
-    r = api.client.post("/v1/datasets", headers=api.operator, json={
-        "name": "gone", "source": "npz:missing.npz", "epsilon": 1, "delta": 1e-5})
+    r = api.client.post(
+        "/v1/datasets",
+        headers=api.operator,
+        json={"name": "gone", "source": "npz:missing.npz", "epsilon": 1, "delta": 1e-5},
+    )
     assert r.status_code == 422 and r.json()["detail"].startswith("source:")
 
 

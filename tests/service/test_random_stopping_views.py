@@ -61,38 +61,54 @@ def fresh(tmp_path) -> Iterator[Callable[[str], Service]]:
     """Starts a service of its own (SQLite, no-op orchestrator) with a dataset and an
     analyst key."""
     with ExitStack() as stack:
+
         def start(name: str) -> Service:
-            settings = Settings(data_dir=tmp_path / name, database_url=None,
-                                operator_key=OPERATOR_KEY)
+            settings = Settings(
+                data_dir=tmp_path / name, database_url=None, operator_key=OPERATOR_KEY
+            )
             client = stack.enter_context(TestClient(create_app(settings)))
             operator = _bearer(OPERATOR_KEY)
-            r = client.post("/v1/datasets", headers=operator, json={
-                "name": "digits", "source": "builtin:digits", "epsilon": 4.0, "delta": 1e-5})
+            r = client.post(
+                "/v1/datasets",
+                headers=operator,
+                json={"name": "digits", "source": "builtin:digits", "epsilon": 4.0, "delta": 1e-5},
+            )
             assert r.status_code == 201, r.text
             dataset = r.json()["id"]
-            r = client.post("/v1/keys", headers=operator, json={
-                "name": "ana", "role": "analyst", "datasets": [dataset]})
+            r = client.post(
+                "/v1/keys",
+                headers=operator,
+                json={"name": "ana", "role": "analyst", "datasets": [dataset]},
+            )
             assert r.status_code == 201, r.text
-            return Service(client, settings.data_path, operator, _bearer(r.json()["secret"]),
-                           dataset)
+            return Service(
+                client, settings.data_path, operator, _bearer(r.json()["secret"]), dataset
+            )
 
         yield start
 
 
 def lt_spec(spec: Callable[..., dict[str, Any]], dataset: int, **privacy: Any) -> dict:
-    body = spec(dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6,
-                **privacy)
+    body = spec(dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6, **privacy)
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.1, 0.2]}}
     return body
 
 
 def _metrics(value: float) -> list[dict[str, Any]]:
-    return [{"name": "train_loss", "value": 1 - value, "epoch": 1, "public": False},
-            {"name": "val_accuracy", "value": value, "epoch": 1, "public": True}]
+    return [
+        {"name": "train_loss", "value": 1 - value, "epoch": 1, "public": False},
+        {"name": "val_accuracy", "value": value, "epoch": 1, "public": True},
+    ]
 
 
-def run_trial(svc: Service, job_id: int, index: int, params: dict, score: float | None,
-              status: str = "succeeded") -> None:
+def run_trial(
+    svc: Service,
+    job_id: int,
+    index: int,
+    params: dict,
+    score: float | None,
+    status: str = "succeeded",
+) -> None:
     """One trial as runner.trainable.run_candidate records it."""
     with svc.session() as session:
         attempt = start_attempt(session, job_id, index, params)
@@ -105,8 +121,14 @@ def release(svc: Service, job_id: int, best: int) -> None:
     """runner.driver._release_best and the driver's last state change."""
     with svc.session() as session:
         trial = next(t for t in session.get(Job, job_id).trials if t.index == best)
-        release_model(session, svc.data_path, trial.id, WEIGHTS, {"model": {"name": "mlp"}},
-                      {"num_classes": 10, "input_shape": [64]})
+        release_model(
+            session,
+            svc.data_path,
+            trial.id,
+            WEIGHTS,
+            {"model": {"name": "mlp"}},
+            {"num_classes": 10, "input_shape": [64]},
+        )
         lifecycle.apply_state(session, job_id, JobState.RELEASED)
 
 
@@ -139,7 +161,7 @@ def model_view(r: httpx.Response) -> tuple[int, Any, dict[str, str]]:
     if r.status_code != 200:
         return r.status_code, r.json(), {}
     size = int.from_bytes(r.content[:8], "little")
-    content = (json.loads(r.content[8:8 + size]), r.content[8 + size:])
+    content = (json.loads(r.content[8 : 8 + size]), r.content[8 + size :])
     varying = {"date", "etag", "x-dptune-sha256"}
     return 200, content, {k: v for k, v in r.headers.items() if k not in varying}
 
@@ -170,15 +192,30 @@ def test_analyst_view_does_not_depend_on_k(fresh, spec):
     final = stages[5][-1]
     assert final["job"]["status"] == "released" and final["job"]["released"]
     assert final["job"]["started_at"] is None and final["job"]["finished_at"] is None
-    assert final["job"]["progress"] == {"trials_done": None, "trials_total": "random",
-                                        "best_score": BEST_SCORE}
-    assert final["trials"] == [{"index": None, "params": BEST, "score": BEST_SCORE,
-                                "metrics": _metrics(BEST_SCORE)[1:], "thresholds": None,
-                                "released": True, "status": None, "steps": None,
-                                "attempts": None, "epsilon": None}]
+    assert final["job"]["progress"] == {
+        "trials_done": None,
+        "trials_total": "random",
+        "best_score": BEST_SCORE,
+    }
+    assert final["trials"] == [
+        {
+            "index": None,
+            "params": BEST,
+            "score": BEST_SCORE,
+            "metrics": _metrics(BEST_SCORE)[1:],
+            "thresholds": None,
+            "released": True,
+            "status": None,
+            "steps": None,
+            "attempts": None,
+            "epsilon": None,
+        }
+    ]
     assert final["model"][0] == 200 and "last-modified" not in final["model"][2]
     assert [(e["kind"], e["created_at"]) for e in final["budget"]["entries"]] == [
-        ("reservation", None), ("charge", None)]
+        ("reservation", None),
+        ("charge", None),
+    ]
 
 
 def test_operator_sees_everything(fresh, spec):
@@ -212,8 +249,14 @@ def test_legacy_zero_release_rows_are_hidden_from_analysts(fresh, spec):
     budget = f"/v1/datasets/{svc.dataset}/budget"
     before = svc.client.get(budget, headers=svc.analyst).json()
     with svc.session() as session:
-        ledger.append(session, session.get(Job, job_id), "release", f"job:{job_id}:release",
-                      ledger.amount(accounting.Charge()), "unused reservation")
+        ledger.append(
+            session,
+            session.get(Job, job_id),
+            "release",
+            f"job:{job_id}:release",
+            ledger.amount(accounting.Charge()),
+            "unused reservation",
+        )
         session.commit()
     assert svc.client.get(budget, headers=svc.analyst).json() == before
     kinds = [e["kind"] for e in svc.client.get(budget, headers=svc.operator).json()["entries"]]
@@ -238,8 +281,9 @@ def _hold_until(svc: Service, job_id: int) -> datetime:
     c, op = svc.client, svc.operator
     job = c.get(f"/v1/jobs/{job_id}", headers=op).json()
     first = c.get(f"/v1/jobs/{job_id}/trials", headers=op).json()[0]["attempts"][0]
-    duration = (datetime.fromisoformat(first["ended_at"])
-                - datetime.fromisoformat(first["started_at"]))
+    duration = datetime.fromisoformat(first["ended_at"]) - datetime.fromisoformat(
+        first["started_at"]
+    )
     return datetime.fromisoformat(job["started_at"]) + job["plan"]["trials"]["max"] * duration
 
 
@@ -283,8 +327,15 @@ def test_hold_without_trial_zero_shows_the_end(fresh, spec):
     """K = 0 (Poisson K under ps): no trial to time, so the job is not held; it shows as
     failed — the mechanism's output for K = 0."""
     svc = fresh("k0")
-    body = spec(svc.dataset, epsilon=2.0, accounting="ps", mean=3, eta="poisson",
-                max_trials=30, hold_release=True)
+    body = spec(
+        svc.dataset,
+        epsilon=2.0,
+        accounting="ps",
+        mean=3,
+        eta="poisson",
+        max_trials=30,
+        hold_release=True,
+    )
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
     job_id = svc.submit(body)
     set_state(svc, job_id, JobState.RUNNING)
@@ -299,8 +350,9 @@ def test_hold_without_trial_zero_shows_the_end(fresh, spec):
 def test_hold_release_only_under_random_stopping(api, dataset, ana, spec, endpoint):
     r = api.client.post(endpoint, headers=ana, json=spec(dataset["id"], hold_release=True))
     assert r.status_code == 422
-    assert r.json()["detail"] == ("privacy.hold_release: not a parameter of accounting "
-                                  "'rdp'"), r.text
+    assert r.json()["detail"] == ("privacy.hold_release: not a parameter of accounting 'rdp'"), (
+        r.text
+    )
     assert api.budget(dataset["id"])["entries"] == []
 
 

@@ -59,12 +59,21 @@ def _weights() -> bytes:
 def _run_trials(api: Api, job: int, auth: dict[str, str], scores: list[float]) -> None:
     base = f"/internal/v1/jobs/{job}"
     for index, score in enumerate(scores):
-        r = api.client.post(f"{base}/attempts", headers=auth,
-                            json={"index": index, "params": {"optimizer.lr": 0.05}})
+        r = api.client.post(
+            f"{base}/attempts",
+            headers=auth,
+            json={"index": index, "params": {"optimizer.lr": 0.05}},
+        )
         assert r.status_code == 201, r.text
         attempt = r.json()["attempt"]
-        assert api.client.post(f"{base}/attempts/{attempt}/finish", headers=auth, json={
-            "status": "succeeded", "steps": 23, "score": score}).status_code == 204
+        assert (
+            api.client.post(
+                f"{base}/attempts/{attempt}/finish",
+                headers=auth,
+                json={"status": "succeeded", "steps": 23, "score": score},
+            ).status_code
+            == 204
+        )
 
 
 def test_the_runner_protocol_releases_the_best_trial(runs) -> None:
@@ -82,15 +91,18 @@ def test_the_runner_protocol_releases_the_best_trial(runs) -> None:
     assert r.status_code == 409  # not the best trial: the runner cannot pick another
     r = api.client.post(f"{base}/end", headers=auth, json={"state": "released"})
     assert r.status_code == 409  # nothing released yet
-    assert api.client.put(f"{base}/trials/1/model", headers=auth,
-                          content=_weights()).status_code == 201
-    assert api.client.post(f"{base}/end", headers=auth,
-                           json={"state": "released"}).status_code == 204
+    assert (
+        api.client.put(f"{base}/trials/1/model", headers=auth, content=_weights()).status_code
+        == 201
+    )
+    assert (
+        api.client.post(f"{base}/end", headers=auth, json={"state": "released"}).status_code == 204
+    )
     done = api.client.get(f"/v1/jobs/{job['id']}", headers=api.operator).json()
     assert done["status"] == "released"
     model = api.client.get(f"/v1/jobs/{job['id']}/model", headers=api.operator)
     size = int.from_bytes(model.content[:8], "little")
-    metadata = json.loads(model.content[8:8 + size])["__metadata__"]
+    metadata = json.loads(model.content[8 : 8 + size])["__metadata__"]
     assert json.loads(metadata["config"])["optimizer"]["lr"] == 0.05
     assert "builtin:digits" not in str(metadata)  # written by the control plane, no source
     assert load(model.content)["fc.weight"].shape == (2, 3)
@@ -101,12 +113,15 @@ def test_the_runner_protocol_releases_the_best_trial(runs) -> None:
 def test_a_token_is_good_for_its_own_job_only(runs) -> None:
     api, orchestrator = runs
     dataset = api.register()["id"]
-    jobs = [api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
-            for _ in range(2)]
+    jobs = [
+        api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
+        for _ in range(2)
+    ]
     mine, other = (j["id"] for j in jobs)
     auth = _runner(api, orchestrator, mine)
     calls: list[tuple[str, str, dict[str, Any]]] = [
-        ("GET", "", {}), ("POST", "/start", {}),
+        ("GET", "", {}),
+        ("POST", "/start", {}),
         ("POST", "/attempts", {"json": {"index": 0, "params": {}}}),
         ("POST", "/trials/0/fail-open", {}),
         ("PUT", "/trials/0/model", {"content": _weights()}),
@@ -115,11 +130,14 @@ def test_a_token_is_good_for_its_own_job_only(runs) -> None:
     before = api.budget(dataset)
     for method, path, kwargs in calls:
         for headers in (auth, api.operator, bearer("dpr_made-up")):
-            r = api.client.request(method, f"/internal/v1/jobs/{other}{path}", headers=headers,
-                                   **kwargs)
+            r = api.client.request(
+                method, f"/internal/v1/jobs/{other}{path}", headers=headers, **kwargs
+            )
             assert r.status_code == 404, (method, path, r.text)
-        assert api.client.request(method, f"/internal/v1/jobs/{other}{path}",
-                                  **kwargs).status_code == 401
+        assert (
+            api.client.request(method, f"/internal/v1/jobs/{other}{path}", **kwargs).status_code
+            == 401
+        )
     assert api.budget(dataset) == before  # nothing charged, released or changed
     assert api.client.get(f"/v1/jobs/{other}", headers=api.operator).json()["status"] == "queued"
     # and a runner token is no API key
@@ -136,8 +154,7 @@ def test_a_runner_cannot_reduce_a_charge(runs) -> None:
     charged = api.budget(dataset)["spent"]
     assert charged > 0
     # ending the job early settles it: what ran stays charged, later attempts are refused
-    assert api.client.post(f"{base}/end", headers=auth,
-                           json={"state": "failed"}).status_code == 204
+    assert api.client.post(f"{base}/end", headers=auth, json={"state": "failed"}).status_code == 204
     assert api.budget(dataset)["spent"] == pytest.approx(charged, rel=1e-12)
     r = api.client.post(f"{base}/attempts", headers=auth, json={"index": 1, "params": {}})
     assert r.status_code == 409
@@ -151,8 +168,10 @@ def test_the_runners_client_speaks_the_api(settings) -> None:
     from service.api.server import BackgroundServer, free_port
 
     orchestrator = RecordingOrchestrator()
-    with BackgroundServer(create_app(settings, orchestrator), free_port()) as server, \
-            TestClient(create_app(settings, orchestrator)) as client:
+    with (
+        BackgroundServer(create_app(settings, orchestrator), free_port()) as server,
+        TestClient(create_app(settings, orchestrator)) as client,
+    ):
         api = Api(client, bearer(OPERATOR_KEY))
         dataset = api.register()["id"]
         spec = make_spec(dataset)
@@ -162,14 +181,26 @@ def test_the_runners_client_speaks_the_api(settings) -> None:
         assert control.context()["spec"]["dataset"] == dataset
         control.start()
         attempt = control.start_attempt(0, {"optimizer.lr": 0.05})
-        control.progress(attempt, 3, [{"epoch": 1, "name": "val_accuracy", "value": 0.5,
-                                       "visibility": "public", "public": True}])
+        control.progress(
+            attempt,
+            3,
+            [
+                {
+                    "epoch": 1,
+                    "name": "val_accuracy",
+                    "value": 0.5,
+                    "visibility": "public",
+                    "public": True,
+                }
+            ],
+        )
         control.finish(attempt, "succeeded", 23, 0.75)
         with pytest.raises(AttemptRefused):
             control.start_attempt(5, {})  # outside the plan
         control.upload_model(0, _weights())
         control.end("released")
-        assert client.get(f"/v1/jobs/{job['id']}", headers=api.operator).json()[
-            "status"] == "released"
+        assert (
+            client.get(f"/v1/jobs/{job['id']}", headers=api.operator).json()["status"] == "released"
+        )
         with pytest.raises(RuntimeError, match="404"):
             ControlPlane(server.url, "dpr_wrong", job["id"]).context()

@@ -45,14 +45,21 @@ def service_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_ray_job_gets_only_the_allow_list(service_env, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(ray_jobs, "JobSubmissionClient", RecordingClient)
     RecordingClient.submitted.clear()
-    orchestrator = RayOrchestrator(RayConnection("http://127.0.0.1:1", "tok", False),
-                                   "http://dptune-api:8000", tmp_path, namespace(DATABASE_URL))
+    orchestrator = RayOrchestrator(
+        RayConnection("http://127.0.0.1:1", "tok", False),
+        "http://dptune-api:8000",
+        tmp_path,
+        namespace(DATABASE_URL),
+    )
     orchestrator.submit(Submission(7, "dpr_job-token", "digits"))
     (call,) = RecordingClient.submitted
     env = call["runtime_env"]["env_vars"]
-    assert env == {"DPTUNE_CONTROL_URL": "http://dptune-api:8000",
-                   "DPTUNE_JOB_TOKEN": "dpr_job-token", "DPTUNE_DATA_DIR": str(tmp_path),
-                   "PYTHONUNBUFFERED": "1"}
+    assert env == {
+        "DPTUNE_CONTROL_URL": "http://dptune-api:8000",
+        "DPTUNE_JOB_TOKEN": "dpr_job-token",
+        "DPTUNE_DATA_DIR": str(tmp_path),
+        "PYTHONUNBUFFERED": "1",
+    }
     shown = repr(call)
     assert OPERATOR_KEY not in shown and "s3cret-passw0rd" not in shown
     assert "db.internal" not in shown  # not even the database's host
@@ -68,7 +75,8 @@ def test_a_ray_job_gets_only_the_allow_list(service_env, monkeypatch, tmp_path: 
 
 
 def test_a_local_ray_head_does_not_inherit_the_services_settings(
-        service_env, monkeypatch, tmp_path: Path) -> None:
+    service_env, monkeypatch, tmp_path: Path
+) -> None:
     seen: dict[str, Any] = {}
 
     def fake_run(cmd: list[str], **kwargs: Any) -> Any:

@@ -9,8 +9,15 @@ from core.spec import JobSpec
 
 
 def test_trial_config_applies_candidate_and_planned_noise(spec):
-    job = JobSpec.model_validate(spec(1) | {"search_space": {
-        "optimizer.lr": {"grid": [0.05, 0.2]}, "method.clipping": {"grid": ["abadi", "auto_s"]}}})
+    job = JobSpec.model_validate(
+        spec(1)
+        | {
+            "search_space": {
+                "optimizer.lr": {"grid": [0.05, 0.2]},
+                "method.clipping": {"grid": ["abadi", "auto_s"]},
+            }
+        }
+    )
     dataset = DatasetConfig(source="builtin:digits")
     cfg = job.trial_config(dataset, 1.7, 1e-5, {"optimizer.lr": 0.2, "method.clipping": "auto_s"})
     assert (cfg.optimizer.lr, cfg.method.clipping, cfg.method.threshold) == (0.2, "auto_s", 1.0)

@@ -44,8 +44,9 @@ def test_dcsgd_p_lands_within_a_bin_of_the_true_percentile(p, seed):
 
 def test_dcsgd_p_rule_sets_range_to_twice_the_threshold():
     cfg = MethodConfig(adaptive=AdaptiveConfig(rule="dcsgd_p", histogram_noise=0.01))
-    rule = build_rule(cfg, expected_batch_size=256, steps=10, grad_noise=1.0, num_params=10,
-                      stream=SecureStream())
+    rule = build_rule(
+        cfg, expected_batch_size=256, steps=10, grad_noise=1.0, num_params=10, stream=SecureStream()
+    )
     assert (rule.threshold, rule.range) == (1.0, 1.0)  # C₀ = 1, R₀ = 1
     for _ in range(8):  # the range grows geometrically until it covers the median
         rule.update(synthetic(), 0)
@@ -84,8 +85,11 @@ def test_dcsgd_e_recentres_on_a_boundary_minimiser():
     weights, start, a = hist.tolist(), 5.0, 0.3
     chosen = error_threshold(hist, 240.0, start, a)
     centres = [start * 2**k for k in range(12)]
-    k = next(k for k, c in enumerate(centres)
-             if brute_force_error(MIDS, weights, grid(c), a) not in (grid(c)[0], grid(c)[-1]))
+    k = next(
+        k
+        for k, c in enumerate(centres)
+        if brute_force_error(MIDS, weights, grid(c), a) not in (grid(c)[0], grid(c)[-1])
+    )
     assert k > 0  # the first grid's minimiser was its upper boundary: 2C, then 4C, …
     assert all(brute_force_error(MIDS, weights, grid(c), a) == grid(c)[-1] for c in centres[:k])
     assert chosen == pytest.approx(brute_force_error(MIDS, weights, grid(centres[k]), a))
@@ -107,8 +111,14 @@ def test_cautious_range_update():
 
 
 def test_andrew_geometric_quantile_update():
-    rule = QuantileRule(2.0, target=0.3, learning_rate=0.2, count_noise=1e-9,
-                        expected_batch_size=8, stream=SecureStream())
+    rule = QuantileRule(
+        2.0,
+        target=0.3,
+        learning_rate=0.2,
+        count_noise=1e-9,
+        expected_batch_size=8,
+        stream=SecureStream(),
+    )
     norms = torch.tensor([0.5, 1.0, 1.5, 2.5, 3.0, 4.0, 5.0, 6.0])  # 3 of 8 unclipped
     rule.update(norms, 0)
     assert rule.threshold == pytest.approx(2.0 * math.exp(-0.2 * (3 / 8 - 0.3)))
@@ -133,7 +143,13 @@ def test_release_noise_per_rule():
     assert release_noise(method(rule="dcsgd_e", histogram_noise=7.0), 64) == 7.0
     assert release_noise(method(rule="andrew"), 64) == pytest.approx(2 * 64 / 20)
     assert release_noise(method(rule="andrew", count_noise=4.0), 64) == 8.0
-    e = build_rule(method(rule="dcsgd_e"), expected_batch_size=50, steps=3, grad_noise=2.0,
-                   num_params=1000, stream=SecureStream())
+    e = build_rule(
+        method(rule="dcsgd_e"),
+        expected_batch_size=50,
+        steps=3,
+        grad_noise=2.0,
+        num_params=1000,
+        stream=SecureStream(),
+    )
     assert e.range == 20.0  # R₀ = b
     assert e.variance_coef == pytest.approx(4.0 * 1000 / 2500)

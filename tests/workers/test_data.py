@@ -44,24 +44,36 @@ def test_heavy_tail_matches_paper_004_construction():
 
 def test_npz_with_public_validation(tmp_path):
     path = tmp_path / "mine.npz"
-    np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]),
-             x_val=np.ones((2, 3)), y_val=np.array([3, 0]))
+    np.savez(
+        path,
+        x=np.zeros((6, 3)),
+        y=np.array([0, 1, 2, 0, 1, 1]),
+        x_val=np.ones((2, 3)),
+        y_val=np.array([3, 0]),
+    )
     d = load(f"npz:{path}", num_classes=4)
     assert d.num_classes == 4 and d.splits == {"train": "private", "val": "public"}
     info = describe("npz:mine.npz", tmp_path, num_classes=5)  # declared, not read off labels
     assert (info.n, info.num_classes, info.input_shape, info.public_validation) == (
-        6, 5, (3,), True)
+        6,
+        5,
+        (3,),
+        True,
+    )
     np.savez(path, x=np.zeros((6, 3)), y=np.array([0, 1, 2, 0, 1, 1]))
     assert load(f"npz:{path}", num_classes=3).splits == {"train": "private"}
     assert not describe("npz:mine.npz", tmp_path, num_classes=3).public_validation
     assert describe("builtin:digits").n == 1438
 
 
-@pytest.mark.parametrize("arrays, message", [
-    ({"x": np.zeros((2, 3))}, "no array 'y'"),
-    ({"x": np.zeros((2, 3)), "y": np.array([0.5, 1.0])}, "integer labels"),
-    ({"x": np.zeros((2, 3)), "y": np.array([0, 1]), "x_val": np.zeros((1, 3))}, "both"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({"x": np.zeros((2, 3))}, "no array 'y'"),
+        ({"x": np.zeros((2, 3)), "y": np.array([0.5, 1.0])}, "integer labels"),
+        ({"x": np.zeros((2, 3)), "y": np.array([0, 1]), "x_val": np.zeros((1, 3))}, "both"),
+    ],
+)
 def test_npz_errors(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)

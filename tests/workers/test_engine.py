@@ -83,10 +83,19 @@ class CountingStream(SecureStream):
 def make_step(model, *, noise, threshold, expected, stream=None):
     groups = resolve_groups(model, "layer_wise")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    return PrivateStep(model, LOSS, groups, clipped_grad_sum, clipping="abadi", gamma=0.01,
-                       rule=ThresholdRule(threshold), grad_noise=noise,
-                       expected_batch_size=expected, optimizer=optimizer,
-                       noise=stream or SecureStream())
+    return PrivateStep(
+        model,
+        LOSS,
+        groups,
+        clipped_grad_sum,
+        clipping="abadi",
+        gamma=0.01,
+        rule=ThresholdRule(threshold),
+        grad_noise=noise,
+        expected_batch_size=expected,
+        optimizer=optimizer,
+        noise=stream or SecureStream(),
+    )
 
 
 def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b():
@@ -110,7 +119,8 @@ def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b():
         stream = CountingStream()
         step = make_step(model, noise=0.0, threshold=0.4, expected=10, stream=stream)
         norms = step.private_gradient(
-            [(x[i], y[i]) for i in micro_batches(torch.arange(7), physical)])
+            [(x[i], y[i]) for i in micro_batches(torch.arange(7), physical)]
+        )
         results.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert norms.shape == (7,)
         assert stream.draws == 1  # one noise draw per logical step, however it is split
@@ -168,10 +178,19 @@ def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
     model = mlp()
     spec = [["1", "3"], ["5"]] if style == "groups" else style
     groups = resolve_groups(model, spec)
-    step = PrivateStep(model, LOSS, groups, get_clipper(path), clipping="abadi", gamma=0.01,
-                       rule=ThresholdRule(1.0), grad_noise=1.0, expected_batch_size=8,
-                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                       noise=SecureStream())
+    step = PrivateStep(
+        model,
+        LOSS,
+        groups,
+        get_clipper(path),
+        clipping="abadi",
+        gamma=0.01,
+        rule=ThresholdRule(1.0),
+        grad_noise=1.0,
+        expected_batch_size=8,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        noise=SecureStream(),
+    )
     x, y = batch(n=8, scale=1.0)
     x[3] = HOSTILE[record]
     for t in range(3):

@@ -12,8 +12,13 @@ from workers.dp.clipping import coefficient_fn
 from workers.models import build_model
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
-SMALL = {"mlp": {"hidden": 16}, "resnet18": {"width": 4}, "resnet34": {"width": 4},
-         "lstm": {"hidden": 8}, "transformer": {"dim": 8, "heads": 2, "layers": 1, "ff": 16}}
+SMALL = {
+    "mlp": {"hidden": 16},
+    "resnet18": {"width": 4},
+    "resnet34": {"width": 4},
+    "lstm": {"hidden": 8},
+    "transformer": {"dim": 8, "heads": 2, "layers": 1, "ff": 16},
+}
 MODELS = ["logreg", "mlp", "cnn", "resnet18", "resnet34", "lstm", "transformer"]
 
 
@@ -37,10 +42,13 @@ def model_and_batch(name, shape, seed=0):
 
 
 # resnet34 differs from resnet18 only in depth: one style is enough (and keeps CI fast).
-CASES = [pytest.param(name, shape, style, id=f"{name}-{kind}-{style}")
-         for name in MODELS for kind, shape in [("image", (1, 8, 8)), ("signal", (2, 12))]
-         for style in ["all_layer", "layer_wise", "param_wise"]
-         if name != "resnet34" or style == "all_layer"]
+CASES = [
+    pytest.param(name, shape, style, id=f"{name}-{kind}-{style}")
+    for name in MODELS
+    for kind, shape in [("image", (1, 8, 8)), ("signal", (2, 12))]
+    for style in ["all_layer", "layer_wise", "param_wise"]
+    if name != "resnet34" or style == "all_layer"
+]
 
 
 @pytest.mark.parametrize(("name", "shape", "style"), CASES)
@@ -49,8 +57,12 @@ def test_norms_and_clipped_sums_match_naive_loop(name, shape, style):
     reference = naive_grads(model, x, y)
     groups = resolve_groups(model, style)
     expected = torch.tensor(
-        [[math.sqrt(sum(float(reference[n][i].pow(2).sum()) for n in g)) for g in groups]
-         for i in range(len(y))], dtype=torch.float64)
+        [
+            [math.sqrt(sum(float(reference[n][i].pow(2).sum()) for n in g)) for g in groups]
+            for i in range(len(y))
+        ],
+        dtype=torch.float64,
+    )
     norms = per_sample_grad_norms(model, LOSS, x, y, style)
     torch.testing.assert_close(norms, expected, rtol=1e-7, atol=1e-9)
 
@@ -68,7 +80,9 @@ def test_norms_and_clipped_sums_match_naive_loop(name, shape, style):
 def test_groups_by_prefix_and_errors():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     assert resolve_groups(model, [["0"], ["2.weight", "2.bias"]]) == [
-        ["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+        ["0.weight", "0.bias"],
+        ["2.weight", "2.bias"],
+    ]
     assert resolve_groups(model, "layer_wise") == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
     assert len(resolve_groups(model, "param_wise")) == 4
     assert resolve_groups(model, None) == [["0.weight", "0.bias", "2.weight", "2.bias"]]

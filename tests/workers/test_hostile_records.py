@@ -96,7 +96,7 @@ def _huge_grads_are_finite(name: str) -> bool:
     transformer and resnet18 here), its norm cannot be finite and it must contribute zero."""
     x, y = _batch(name)
     i = HOSTILE["huge"]
-    per_sample = general.per_sample_grads(_model(name), LOSS, x[i:i + 1], y[i:i + 1])
+    per_sample = general.per_sample_grads(_model(name), LOSS, x[i : i + 1], y[i : i + 1])
     return all(g.isfinite().all() for g in per_sample.values())
 
 
@@ -172,9 +172,14 @@ def _mixed_batch_is_finite(run: Run, groups: list[list[str]], name: str) -> None
         assert err <= 1e-5, f"{key}: sum differs from the sum without NaN/inf by {err:.1e}"
 
 
-CASES = [pytest.param(clipper, name, style, function, id=f"{clipper}-{name}-{style}-{function}")
-         for clipper in CLIPPERS for name in MODELS for style in STYLES_OF.get(name, STYLES)
-         for function in FUNCTIONS if clipper == "fast" or name in GENERAL_MODELS]
+CASES = [
+    pytest.param(clipper, name, style, function, id=f"{clipper}-{name}-{style}-{function}")
+    for clipper in CLIPPERS
+    for name in MODELS
+    for style in STYLES_OF.get(name, STYLES)
+    for function in FUNCTIONS
+    if clipper == "fast" or name in GENERAL_MODELS
+]
 
 
 CHECKS: dict[str, Callable[[Run, list[list[str]], str], None]] = {
@@ -206,5 +211,6 @@ def test_hostile_records_on_the_fast_paths_torch_func_fallback(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _check(ghost.clipped_grad_sum, FALLBACK, style, function, check)
-    assert any(w.category is ghost.FallbackWarning and "LayerNorm" in str(w.message)
-               for w in caught)
+    assert any(
+        w.category is ghost.FallbackWarning and "LayerNorm" in str(w.message) for w in caught
+    )

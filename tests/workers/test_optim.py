@@ -45,8 +45,12 @@ def test_adambc_floor_and_noise_correction_by_hand():
 
 def test_build_optimizer_names():
     model = torch.nn.Linear(2, 2)
-    kinds = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
-             "adambc": AdamBC}
+    kinds = {
+        "sgd": torch.optim.SGD,
+        "adam": torch.optim.Adam,
+        "adamw": torch.optim.AdamW,
+        "adambc": AdamBC,
+    }
     for name, cls in kinds.items():
         assert isinstance(build_optimizer(OptimizerConfig(name=name), model), cls)
     sgd = build_optimizer(OptimizerConfig(name="sgd", momentum=0.9), model)

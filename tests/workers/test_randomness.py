@@ -21,10 +21,16 @@ from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import poisson_batches
 from workers.trial import run_trial
 
-TINY = {"dataset": {"source": "builtin:digits"}, "model": {"name": "logreg"},
-        "epochs": 0.2, "batch_size": 64, "noise_multiplier": 1.0, "device": "cpu",
-        "method": {"per_sample": "general"},
-        "validation": {"split": "private", "noise": 1.0, "fraction": 0.2}}
+TINY = {
+    "dataset": {"source": "builtin:digits"},
+    "model": {"name": "logreg"},
+    "epochs": 0.2,
+    "batch_size": 64,
+    "noise_multiplier": 1.0,
+    "device": "cpu",
+    "method": {"per_sample": "general"},
+    "validation": {"split": "private", "noise": 1.0, "fraction": 0.2},
+}
 
 
 def _reset_global_rngs() -> None:
@@ -110,8 +116,9 @@ def test_hold_out_size_is_binomial() -> None:
     assert sizes.mean() == pytest.approx(n * f, abs=5 * np.sqrt(n * f * (1 - f) / runs))
     assert sizes.var() == pytest.approx(n * f * (1 - f), rel=0.15)
     edges = np.arange(10, 31)  # chi-square goodness of fit on the bulk of the pmf
-    observed = np.array([(sizes < 10).sum(), *[(sizes == k).sum() for k in edges[:-1]],
-                         (sizes >= 30).sum()])
+    observed = np.array(
+        [(sizes < 10).sum(), *[(sizes == k).sum() for k in edges[:-1]], (sizes >= 30).sum()]
+    )
     pmf = stats.binom(n, f)
     expected = runs * np.array([pmf.cdf(9), *pmf.pmf(edges[:-1]), pmf.sf(29)])
     assert stats.chisquare(observed, expected).pvalue > 1e-4

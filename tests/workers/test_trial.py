@@ -11,9 +11,16 @@ from core.config import TrialConfig
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.trial import main, run_trial
 
-BASE = {"dataset": {"source": "builtin:digits"}, "model": {"name": "logreg"},
-        "epochs": 2, "batch_size": 128, "physical_batch_size": 64, "noise_multiplier": 1.0,
-        "optimizer": {"name": "sgd", "lr": 2.0, "momentum": 0.5}, "device": "cpu"}
+BASE = {
+    "dataset": {"source": "builtin:digits"},
+    "model": {"name": "logreg"},
+    "epochs": 2,
+    "batch_size": 128,
+    "physical_batch_size": 64,
+    "noise_multiplier": 1.0,
+    "optimizer": {"name": "sgd", "lr": 2.0, "momentum": 0.5},
+    "device": "cpu",
+}
 
 METHODS = {
     "abadi": {},
@@ -76,10 +83,10 @@ def test_private_validation_is_noisy_and_charged():
     # q and T come from the registered size, as in the service's plan
     assert (private["sample_rate"], private["steps"]) == (public["sample_rate"], public["steps"])
     assert all(m["visibility"] == "private" for m in private["metrics"])
-    assert {m["visibility"] for m in public["metrics"] if m["name"].startswith("val")} == {
-        "public"}
-    assert all(m["visibility"] == "private" for m in public["metrics"]
-               if m["name"].startswith("train"))
+    assert {m["visibility"] for m in public["metrics"] if m["name"].startswith("val")} == {"public"}
+    assert all(
+        m["visibility"] == "private" for m in public["metrics"] if m["name"].startswith("train")
+    )
 
 
 def test_target_epsilon_is_calibrated():
@@ -88,9 +95,10 @@ def test_target_epsilon_is_calibrated():
 
 
 def test_heavy_tail_reports_group_accuracy_and_needs_private_validation():
-    body = {"dataset": {"source": "builtin:heavy_tail", "options": {"scale": 0.02,
-                                                                      "groups": 4}},
-            "batch_size": 16}
+    body = {
+        "dataset": {"source": "builtin:heavy_tail", "options": {"scale": 0.02, "groups": 4}},
+        "batch_size": 16,
+    }
     with pytest.raises(ValueError, match=r"validation.split"):
         run_trial(config(**body))
     result = run_trial(config(**body, validation={"split": "private", "noise": 1.0})).result
@@ -103,20 +111,32 @@ def test_cli_writes_result_and_rejects_bad_configs(tmp_path, capsys):
     good.write_text(json.dumps({**BASE, "epochs": 0.3, "method": {"per_sample": "general"}}))
     assert main(["--config", str(good), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("config", "sample_rate", "steps", "noise_multiplier", "grad_noise_multiplier",
-                "epsilon", "delta", "thresholds", "metrics", "score", "wall_time_s", "device"):
+    for key in (
+        "config",
+        "sample_rate",
+        "steps",
+        "noise_multiplier",
+        "grad_noise_multiplier",
+        "epsilon",
+        "delta",
+        "thresholds",
+        "metrics",
+        "score",
+        "wall_time_s",
+        "device",
+    ):
         assert key in result
 
     cases = {
         "method.clipping": {"method": {"clipping": "nope"}},
         "optimizer.lrate": {"optimizer": {"lrate": 0.1}},
         "noise_multiplier": {"noise_multiplier": None},
-        "method.adaptive.histogram_noise": {"noise_multiplier": 6.0,
-                                            "method": {"per_sample": "general",
-                                                       "adaptive": {"rule": "dcsgd_p"}}},
+        "method.adaptive.histogram_noise": {
+            "noise_multiplier": 6.0,
+            "method": {"per_sample": "general", "adaptive": {"rule": "dcsgd_p"}},
+        },
         "model.options.width": {"model": {"name": "mlp", "options": {"width": 3}}},
-        "dataset.options.scale": {"dataset": {"source": "builtin:digits",
-                                              "options": {"scale": 2}}},
+        "dataset.options.scale": {"dataset": {"source": "builtin:digits", "options": {"scale": 2}}},
         "batch_size": {"batch_size": 5000},
     }
     for field, change in cases.items():
@@ -143,8 +163,15 @@ class Replay(TrialRandomness):
 def test_fast_and_general_paths_train_the_same_model(monkeypatch):
     monkeypatch.setattr(workers.trial, "TrialRandomness", Replay)
     method = {**METHODS["dcsgd_p"], "style": "layer_wise"}
-    runs = [run_trial(config({**method, "per_sample": path}, epochs=0.5,
-                             model={"name": "mlp", "options": {"hidden": 16}})).result
-            for path in ("general", "fast")]
+    runs = [
+        run_trial(
+            config(
+                {**method, "per_sample": path},
+                epochs=0.5,
+                model={"name": "mlp", "options": {"hidden": 16}},
+            )
+        ).result
+        for path in ("general", "fast")
+    ]
     assert runs[0]["thresholds"] == pytest.approx(runs[1]["thresholds"], rel=1e-4)
     assert runs[0]["score"]["value"] == pytest.approx(runs[1]["score"]["value"], abs=0.01)

@@ -71,15 +71,19 @@ class GradientCanaries:
     num_groups: int
 
     @classmethod
-    def draw(cls, count: int, column_groups: Tensor, num_groups: int,
-             stream: SecureStream) -> GradientCanaries:
+    def draw(
+        cls, count: int, column_groups: Tensor, num_groups: int, stream: SecureStream
+    ) -> GradientCanaries:
         columns = len(column_groups)
         if count * columns > MAX_DIRECTION_ELEMENTS:
-            raise ValueError(f"canaries: {count} white-box canaries × {columns} parameters "
-                             "do not fit in memory; use fewer canaries or a smaller model")
+            raise ValueError(
+                f"canaries: {count} white-box canaries × {columns} parameters "
+                "do not fit in memory; use fewer canaries or a smaller model"
+            )
         u = stream.normal((count, columns)).to(column_groups.device)
         group_sq = torch.zeros(count, num_groups, device=u.device).index_add_(
-            1, column_groups, u.square())
+            1, column_groups, u.square()
+        )
         u /= (group_sq * num_groups).sqrt()[:, column_groups]
         return cls(u, column_groups, num_groups)
 
@@ -87,14 +91,17 @@ class GradientCanaries:
         """The engine's clip factor of a canary gradient in each group, [M], float64: its
         per-group norm is R_m, so Abadi and AUTO-V keep it whole and AUTO-S scales it by
         R_m/(R_m + γ)."""
-        norms = torch.full((1, self.num_groups), group_thresholds(threshold, self.num_groups),
-                           dtype=torch.float64)
+        norms = torch.full(
+            (1, self.num_groups), group_thresholds(threshold, self.num_groups), dtype=torch.float64
+        )
         return clip_factors(coef_fn, norms)[0]
 
     def contributions(self, ids: Tensor, factors: Tensor, threshold: float) -> Tensor:
         """Σ_i c_g(i)·C·u_i over the canaries ``ids``: their clipped sum, flattened [P]."""
-        return self.directions[ids].sum(0) * (factors * threshold).to(self.directions)[
-            self.column_groups]
+        return (
+            self.directions[ids].sum(0)
+            * (factors * threshold).to(self.directions)[self.column_groups]
+        )
 
     def projections(self, flat: Tensor) -> Tensor:
         """⟨flat, u_i⟩ for every canary, [m]."""

@@ -31,18 +31,30 @@ from workers.dp.grads import LossFn
 class CanaryClipper:
     """``inner`` plus the gradient canaries of the rows with a negative target."""
 
-    def __init__(self, inner: Clipper, canaries: GradientCanaries, params: dict[str, Tensor],
-                 threshold: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        inner: Clipper,
+        canaries: GradientCanaries,
+        params: dict[str, Tensor],
+        threshold: Callable[[], float],
+    ) -> None:
         self.inner, self.canaries, self.threshold = inner, canaries, threshold
         self.shapes = {name: p.shape for name, p in params.items()}
-        self.real_sum = torch.zeros(len(canaries.column_groups),
-                                    device=canaries.directions.device)
+        self.real_sum = torch.zeros(len(canaries.column_groups), device=canaries.directions.device)
 
-    def __call__(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-                 groups: list[list[str]], coef_fn: CoefFn) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        groups: list[list[str]],
+        coef_fn: CoefFn,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         is_canary = targets < 0
-        norms, sums = self._real(model, loss_fn, inputs[~is_canary], targets[~is_canary],
-                                 groups, coef_fn)
+        norms, sums = self._real(
+            model, loss_fn, inputs[~is_canary], targets[~is_canary], groups, coef_fn
+        )
         self.real_sum += self._flat(sums)
         ids = -1 - targets[is_canary]
         if len(ids) == 0:
@@ -50,29 +62,43 @@ class CanaryClipper:
         threshold = self.threshold()
         factors = self.canaries.clipped_factors(coef_fn, threshold)
         added = self._unflat(self.canaries.contributions(ids, factors, threshold))
-        canary_norms = torch.full((len(ids), len(groups)),
-                                  group_thresholds(threshold, len(groups)), dtype=torch.float64)
-        return (torch.cat([norms, canary_norms.to(norms.device)]),
-                {name: s + added[name] for name, s in sums.items()})
+        canary_norms = torch.full(
+            (len(ids), len(groups)), group_thresholds(threshold, len(groups)), dtype=torch.float64
+        )
+        return (
+            torch.cat([norms, canary_norms.to(norms.device)]),
+            {name: s + added[name] for name, s in sums.items()},
+        )
 
     def take_real_sum(self) -> Tensor:
         """The real examples' clipped sum since the last call, flattened [P]; resets it."""
         taken, self.real_sum = self.real_sum, torch.zeros_like(self.real_sum)
         return taken
 
-    def _real(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
-              groups: list[list[str]], coef_fn: CoefFn) -> tuple[Tensor, dict[str, Tensor]]:
+    def _real(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        groups: list[list[str]],
+        coef_fn: CoefFn,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         if len(targets):
             norms, sums = self.inner(model, loss_fn, inputs, targets, groups, coef_fn)
             return norms, {name: s.detach() for name, s in sums.items()}
         device = self.real_sum.device
-        return (torch.zeros(0, len(groups), dtype=torch.float64, device=device),
-                {name: torch.zeros(shape, device=device) for name, shape in self.shapes.items()})
+        return (
+            torch.zeros(0, len(groups), dtype=torch.float64, device=device),
+            {name: torch.zeros(shape, device=device) for name, shape in self.shapes.items()},
+        )
 
     def _flat(self, sums: dict[str, Tensor]) -> Tensor:
         return torch.cat([sums[name].flatten() for name in self.shapes]).to(self.real_sum)
 
     def _unflat(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [shape.numel() for shape in self.shapes.values()]
-        return {name: chunk.view(shape) for (name, shape), chunk
-                in zip(self.shapes.items(), flat.split(sizes), strict=True)}
+        return {
+            name: chunk.view(shape)
+            for (name, shape), chunk in zip(self.shapes.items(), flat.split(sizes), strict=True)
+        }

@@ -24,6 +24,11 @@ class ScaledNoise(SecureStream):
         super().__init__()
         self.scale = scale
 
-    def normal(self, shape: int | Sequence[int], *, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Tensor:
+    def normal(
+        self,
+        shape: int | Sequence[int],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         return super().normal(shape, device=device, dtype=dtype).mul_(self.scale)

@@ -74,9 +74,16 @@ class AuditResult:
         return {**asdict(self), "ratio": self.ratio, "refuted": self.refuted}
 
 
-def run_audit(cfg: TrialConfig, *, canaries: int = 1000, guesses: int = 200,
-              kind: CanaryKind = "white", noise_scale: float = 1.0, confidence: float = 0.95,
-              on_step: StepCallback | None = None) -> AuditResult:
+def run_audit(
+    cfg: TrialConfig,
+    *,
+    canaries: int = 1000,
+    guesses: int = 200,
+    kind: CanaryKind = "white",
+    noise_scale: float = 1.0,
+    confidence: float = 0.95,
+    on_step: StepCallback | None = None,
+) -> AuditResult:
     """Train ``cfg`` once with ``canaries`` coin-flip canaries of ``kind`` and bound its ε from
     below at ``confidence``; ``noise_scale`` ≠ 1 injects a fault (gradient noise × scale)."""
     if kind not in ("white", "black"):
@@ -97,8 +104,11 @@ def run_audit(cfg: TrialConfig, *, canaries: int = 1000, guesses: int = 200,
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     engine = _engine(cfg, model, privacy, randomness)
 
-    inserted = (_white_box(engine, privacy, data, included, design) if kind == "white"
-                else _black_box(engine, data, included, design))
+    inserted = (
+        _white_box(engine, privacy, data, included, design)
+        if kind == "white"
+        else _black_box(engine, data, included, design)
+    )
     x = torch.cat([data.x, inserted.x]).to(device)
     y = torch.cat([data.y, inserted.y]).to(device)
     _train(engine, x, y, privacy, cfg.physical_batch_size, randomness.sampling, on_step)
@@ -106,13 +116,24 @@ def run_audit(cfg: TrialConfig, *, canaries: int = 1000, guesses: int = 200,
     correct = correct_guesses(inserted.scores().numpy(), included.numpy(), guesses)
     claimed, _ = privacy.epsilon(cfg.delta)
     return AuditResult(
-        kind=kind, canaries=canaries, guesses=guesses, correct=correct,
-        included=int(included.sum()), claimed_epsilon=claimed,
+        kind=kind,
+        canaries=canaries,
+        guesses=guesses,
+        correct=correct,
+        included=int(included.sum()),
+        claimed_epsilon=claimed,
         lower_bound=epsilon_lower_bound(canaries, guesses, correct, cfg.delta, confidence),
-        delta=cfg.delta, confidence=confidence, noise_scale=noise_scale,
-        sample_rate=privacy.sample_rate, steps=privacy.steps,
-        noise_multiplier=privacy.noise_multiplier, dataset=data.name, model=cfg.model.name,
-        wall_time_s=time.perf_counter() - started, device=str(device))
+        delta=cfg.delta,
+        confidence=confidence,
+        noise_scale=noise_scale,
+        sample_rate=privacy.sample_rate,
+        steps=privacy.steps,
+        noise_multiplier=privacy.noise_multiplier,
+        dataset=data.name,
+        model=cfg.model.name,
+        wall_time_s=time.perf_counter() - started,
+        device=str(device),
+    )
 
 
 @dataclass(frozen=True)
@@ -124,40 +145,56 @@ class _Inserted:
     scores: Callable[[], Tensor]
 
 
-def _white_box(engine: PrivateStep, privacy: Privacy, data: Dataset, included: Tensor,
-               stream: SecureStream) -> _Inserted:
+def _white_box(
+    engine: PrivateStep, privacy: Privacy, data: Dataset, included: Tensor, stream: SecureStream
+) -> _Inserted:
     """Gradient canaries: the engine's clipper is wrapped (``CanaryClipper``) and the included
     canaries are placeholder rows with target −1 − id."""
     group_of = {name: g for g, group in enumerate(engine.groups) for name in group}
     device = next(iter(engine.params.values())).device
-    column_groups = torch.cat([torch.full((p.numel(),), group_of[name], device=device)
-                               for name, p in engine.params.items()])
+    column_groups = torch.cat(
+        [
+            torch.full((p.numel(),), group_of[name], device=device)
+            for name, p in engine.params.items()
+        ]
+    )
     canaries = GradientCanaries.draw(len(included), column_groups, len(engine.groups), stream)
-    clipper = CanaryClipper(engine.clipper, canaries, engine.params,
-                            threshold=lambda: engine.rule.threshold)
+    clipper = CanaryClipper(
+        engine.clipper, canaries, engine.params, threshold=lambda: engine.rule.threshold
+    )
     engine.clipper = clipper
     ratio = LikelihoodRatio(engine, clipper, canaries, privacy.sample_rate)
     ids = included.nonzero().squeeze(1)
     return _Inserted(torch.zeros(len(ids), *data.input_shape), -1 - ids, lambda: ratio.scores)
 
 
-def _black_box(engine: PrivateStep, data: Dataset, included: Tensor,
-               stream: SecureStream) -> _Inserted:
+def _black_box(
+    engine: PrivateStep, data: Dataset, included: Tensor, stream: SecureStream
+) -> _Inserted:
     """Input canaries: the included ones are training examples; all are scored by the drop of
     their loss during training."""
     x, y = input_canaries(data, len(included), stream)
     device = next(iter(engine.params.values())).device
     x_scored, y_scored = x.to(device), y.to(device)
     before = canary_losses(engine.model, x_scored, y_scored)
-    return _Inserted(x[included], y[included],
-                     lambda: before - canary_losses(engine.model, x_scored, y_scored))
+    return _Inserted(
+        x[included], y[included], lambda: before - canary_losses(engine.model, x_scored, y_scored)
+    )
 
 
-def _train(engine: PrivateStep, x: Tensor, y: Tensor, privacy: Privacy, physical_batch_size: int,
-           stream: SecureStream, on_step: StepCallback | None) -> None:
+def _train(
+    engine: PrivateStep,
+    x: Tensor,
+    y: Tensor,
+    privacy: Privacy,
+    physical_batch_size: int,
+    stream: SecureStream,
+    on_step: StepCallback | None,
+) -> None:
     """The trial's training loop: Poisson batches of the audited data, one engine step each."""
-    for t, indices in enumerate(poisson_batches(len(y), privacy.sample_rate, privacy.steps,
-                                                stream)):
+    for t, indices in enumerate(
+        poisson_batches(len(y), privacy.sample_rate, privacy.steps, stream)
+    ):
         chunks = [(x[i], y[i]) for i in micro_batches(indices.to(x.device), physical_batch_size)]
         engine.step(chunks, t)
         if on_step:

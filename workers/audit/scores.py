@@ -41,8 +41,13 @@ class LikelihoodRatio:
     """Accumulates the white-box scores of every canary from the engine's private gradients
     (read by an optimizer step pre-hook, after the engine has set ``p.grad`` to g̃_t)."""
 
-    def __init__(self, engine: PrivateStep, clipper: CanaryClipper, canaries: GradientCanaries,
-                 sample_rate: float) -> None:
+    def __init__(
+        self,
+        engine: PrivateStep,
+        clipper: CanaryClipper,
+        canaries: GradientCanaries,
+        sample_rate: float,
+    ) -> None:
         self.engine, self.clipper, self.canaries = engine, clipper, canaries
         self.log_q, self.log_not_q = math.log(sample_rate), math.log1p(-sample_rate)
         self.scores = torch.zeros(len(canaries.directions), dtype=torch.float64)
@@ -58,15 +63,19 @@ class LikelihoodRatio:
         coef_fn = coefficient_fn(engine.clipping, threshold, len(engine.groups), engine.gamma)
         shift = self.canaries.shift(self.canaries.clipped_factors(coef_fn, threshold), threshold)
         variance = (engine.grad_noise * threshold) ** 2
-        self.scores += torch.logaddexp(torch.tensor(self.log_not_q, dtype=torch.float64),
-                                       self.log_q + (2 * shift * x - shift**2) / (2 * variance))
+        self.scores += torch.logaddexp(
+            torch.tensor(self.log_not_q, dtype=torch.float64),
+            self.log_q + (2 * shift * x - shift**2) / (2 * variance),
+        )
 
 
 @torch.no_grad()
 def canary_losses(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> Tensor:
     """Cross-entropy of every input canary under ``model``, float64 on the CPU."""
     model.eval()
-    losses = [F.cross_entropy(model(xb), yb, reduction="none").double().cpu()
-              for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)]
+    losses = [
+        F.cross_entropy(model(xb), yb, reduction="none").double().cpu()
+        for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)
+    ]
     model.train()
     return torch.cat(losses)

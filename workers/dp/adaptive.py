@@ -105,8 +105,16 @@ def cautious_range(hist: Tensor, range_: float) -> float:
 class PercentileRule(ThresholdRule):
     """DC-SGD-P (paper 001, Algorithms 1–3): C_{t+1} = noisy p-th percentile, R_{t+1} = 2C_{t+1}."""
 
-    def __init__(self, threshold: float, *, percentile: float, bins: int, histogram_noise: float,
-                 initial_range: float, stream: SecureStream) -> None:
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        percentile: float,
+        bins: int,
+        histogram_noise: float,
+        initial_range: float,
+        stream: SecureStream,
+    ) -> None:
         super().__init__(threshold)
         self.percentile, self.bins, self.range = percentile, bins, initial_range
         self.release_noise, self.stream = histogram_noise, stream
@@ -121,8 +129,16 @@ class ErrorRule(ThresholdRule):
     """DC-SGD-E (paper 001, Algorithms 1, 2, 4): C_{t+1} minimises the estimated expected squared
     error of eq. 4; the histogram range follows the "cautious" update."""
 
-    def __init__(self, threshold: float, *, bins: int, histogram_noise: float,
-                 initial_range: float, variance_coef: float, stream: SecureStream) -> None:
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        bins: int,
+        histogram_noise: float,
+        initial_range: float,
+        variance_coef: float,
+        stream: SecureStream,
+    ) -> None:
         super().__init__(threshold)
         self.bins, self.range, self.variance_coef = bins, initial_range, variance_coef
         self.release_noise, self.stream = histogram_noise, stream
@@ -144,8 +160,16 @@ class QuantileRule(ThresholdRule):
     batch size B, since the realized Poisson batch size is itself private.
     """
 
-    def __init__(self, threshold: float, *, target: float, learning_rate: float,
-                 count_noise: float, expected_batch_size: int, stream: SecureStream) -> None:
+    def __init__(
+        self,
+        threshold: float,
+        *,
+        target: float,
+        learning_rate: float,
+        count_noise: float,
+        expected_batch_size: int,
+        stream: SecureStream,
+    ) -> None:
         super().__init__(threshold)
         self.target, self.learning_rate, self.count_noise = target, learning_rate, count_noise
         self.expected_batch_size, self.stream = expected_batch_size, stream
@@ -169,24 +193,45 @@ class DecayRule(ThresholdRule):
         self.threshold = self.initial * self.decay ** ((step + 1) / self.total_steps)
 
 
-def build_rule(method: MethodConfig, *, expected_batch_size: int, steps: int, grad_noise: float,
-               num_params: int, stream: SecureStream) -> ThresholdRule:
+def build_rule(
+    method: MethodConfig,
+    *,
+    expected_batch_size: int,
+    steps: int,
+    grad_noise: float,
+    num_params: int,
+    stream: SecureStream,
+) -> ThresholdRule:
     """The rule of ``method.adaptive`` (paper defaults: C₀ = ``method.threshold`` = 1, σ_H = 5,
     b = 20, R₀ = 1 for DC-SGD-P and R₀ = b for DC-SGD-E, σ_b = B/20 for Andrew et al.)."""
     a, c0 = method.adaptive, method.threshold
     if a is None:
         return ThresholdRule(c0)
     if a.rule == "dcsgd_p":
-        return PercentileRule(c0, percentile=a.percentile, bins=a.bins,
-                              histogram_noise=a.histogram_noise,
-                              initial_range=a.initial_range or 1.0, stream=stream)
+        return PercentileRule(
+            c0,
+            percentile=a.percentile,
+            bins=a.bins,
+            histogram_noise=a.histogram_noise,
+            initial_range=a.initial_range or 1.0,
+            stream=stream,
+        )
     if a.rule == "dcsgd_e":
-        return ErrorRule(c0, bins=a.bins, histogram_noise=a.histogram_noise,
-                         initial_range=a.initial_range or float(a.bins),
-                         variance_coef=grad_noise**2 * num_params / expected_batch_size**2,
-                         stream=stream)
+        return ErrorRule(
+            c0,
+            bins=a.bins,
+            histogram_noise=a.histogram_noise,
+            initial_range=a.initial_range or float(a.bins),
+            variance_coef=grad_noise**2 * num_params / expected_batch_size**2,
+            stream=stream,
+        )
     if a.rule == "andrew":
-        return QuantileRule(c0, target=a.percentile, learning_rate=a.learning_rate,
-                            count_noise=a.count_noise or expected_batch_size / 20,
-                            expected_batch_size=expected_batch_size, stream=stream)
+        return QuantileRule(
+            c0,
+            target=a.percentile,
+            learning_rate=a.learning_rate,
+            count_noise=a.count_noise or expected_batch_size / 20,
+            expected_batch_size=expected_batch_size,
+            stream=stream,
+        )
     return DecayRule(c0, decay=a.decay, total_steps=steps)

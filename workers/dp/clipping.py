@@ -56,8 +56,9 @@ def _layer_groups(model: nn.Module, trainable: set[str]) -> list[list[str]]:
     groups = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        own = [prefix + n for n, _ in module.named_parameters(recurse=False)
-               if prefix + n in trainable]
+        own = [
+            prefix + n for n, _ in module.named_parameters(recurse=False) if prefix + n in trainable
+        ]
         if own:
             groups.append(own)
     return groups
@@ -73,8 +74,10 @@ def _prefix_groups(names: list[str], spec: Sequence[Sequence[str]]) -> list[list
         owners = [m for m, prefixes in enumerate(spec) if any(_matches(name, p) for p in prefixes)]
         if len(owners) != 1:
             where = "no group" if not owners else f"groups {owners}"
-            raise ValueError(f"method.groups: parameter {name!r} matches {where}; "
-                             "each trainable parameter must be in exactly one group")
+            raise ValueError(
+                f"method.groups: parameter {name!r} matches {where}; "
+                "each trainable parameter must be in exactly one group"
+            )
         groups[owners[0]].append(name)
     for m, prefixes in enumerate(spec):
         if not groups[m]:
@@ -121,10 +124,10 @@ def sq_norms(rows: Tensor) -> Tensor:
     row_step = NORM_CHUNK // col_step
     out = []
     for i in range(0, flat.shape[0], row_step):
-        block = flat[i:i + row_step]
+        block = flat[i : i + row_step]
         total = block.new_zeros(block.shape[0], dtype=torch.float64)
         for j in range(0, cols, col_step):
-            total += block[:, j:j + col_step].double().square().sum(1)
+            total += block[:, j : j + col_step].double().square().sum(1)
         out.append(total)
     return torch.cat(out)
 

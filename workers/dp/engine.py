@@ -40,10 +40,21 @@ class StepReport:
 class PrivateStep:
     """Holds what stays fixed during a trial and performs logical steps with :meth:`step`."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, groups: list[list[str]],
-                 clipper: Clipper, *, clipping: ClippingFunction, gamma: float,
-                 rule: ThresholdRule, grad_noise: float, expected_batch_size: int,
-                 optimizer: torch.optim.Optimizer, noise: SecureStream) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        groups: list[list[str]],
+        clipper: Clipper,
+        *,
+        clipping: ClippingFunction,
+        gamma: float,
+        rule: ThresholdRule,
+        grad_noise: float,
+        expected_batch_size: int,
+        optimizer: torch.optim.Optimizer,
+        noise: SecureStream,
+    ) -> None:
         self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
         self.clipping, self.gamma, self.rule = clipping, gamma, rule
         self.grad_noise, self.expected_batch_size = grad_noise, expected_batch_size
@@ -66,7 +77,8 @@ class PrivateStep:
             if len(inputs) == 0:
                 continue
             group_norms, batch_sums = self.clipper(
-                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn)
+                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn
+            )
             norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
             for name, s in batch_sums.items():
                 sums[name] += s.detach()

@@ -83,5 +83,6 @@ def per_sample_grad_norms(
 ) -> Tensor:
     """Public seam: per-sample gradient norms [B, M] for the groups of ``groups`` (any spec
     accepted by :func:`resolve_groups`, or already-resolved lists of full names)."""
-    return group_norms(per_sample_grads(model, loss_fn, inputs, targets),
-                       resolve_groups(model, groups))
+    return group_norms(
+        per_sample_grads(model, loss_fn, inputs, targets), resolve_groups(model, groups)
+    )

@@ -22,11 +22,21 @@ class AdamBC(torch.optim.Optimizer):
     decoupled as in AdamW (the paper uses none).
     """
 
-    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), gamma_prime: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        defaults = {"lr": lr, "betas": betas, "gamma_prime": gamma_prime,
-                    "weight_decay": weight_decay, "noise_std": 0.0}
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        gamma_prime: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "gamma_prime": gamma_prime,
+            "weight_decay": weight_decay,
+            "noise_std": 0.0,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -56,13 +66,21 @@ class AdamBC(torch.optim.Optimizer):
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
-    return AdamBC(params, lr=cfg.lr, betas=cfg.betas, gamma_prime=cfg.gamma_prime,
-                  weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    return AdamBC(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        gamma_prime=cfg.gamma_prime,
+        weight_decay=cfg.weight_decay,
+    )

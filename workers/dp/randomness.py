@@ -53,14 +53,20 @@ class SecureStream:
         with a probability above ``p`` — more than the accountant's sampling rate."""
         return self.uniform(n) < p
 
-    def normal(self, shape: int | Sequence[int], *, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Tensor:
+    def normal(
+        self,
+        shape: int | Sequence[int],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         """Standard normal draws of ``shape`` on ``device``."""
         size = (shape,) if isinstance(shape, int) else tuple(shape)
         device = torch.device(device)
         if device.type == "cuda":
-            return torch.randn(size, device=device, dtype=dtype,
-                               generator=self._device_generator(device))
+            return torch.randn(
+                size, device=device, dtype=dtype, generator=self._device_generator(device)
+            )
         return self._box_muller(math.prod(size), dtype).view(size).to(device)
 
     def _box_muller(self, n: int, dtype: torch.dtype) -> Tensor:

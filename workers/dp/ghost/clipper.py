@@ -98,8 +98,11 @@ def _plan(model: nn.Module, params: dict[str, nn.Parameter]) -> tuple[list[_Laye
                 f"model: module {module_name!r} is a BatchNorm in training mode, which mixes "
                 "samples; per-sample clipping needs e.g. GroupNorm"
             )
-        own = {a: full_name[id(p)] for a, p in module.named_parameters(recurse=False)
-               if id(p) in full_name}
+        own = {
+            a: full_name[id(p)]
+            for a, p in module.named_parameters(recurse=False)
+            if id(p) in full_name
+        }
         if not own:
             continue
         rule = RULES.get(type(module))
@@ -180,9 +183,11 @@ def _split_kept(layers: list[_Layer]) -> tuple[list[_Layer], list[_Layer]]:
     dead_ends: set[Node] = set()
     for layer in sorted(layers, key=lambda item: item.order):
         edge, shape, _ = layer.outputs[0]
-        if (len(layer.inputs) == 1
-                and layer.rule.keeps_per_sample(layer.module, layer.inputs[0], shape)
-                and _reaches(edge.node, targets, dead_ends)):
+        if (
+            len(layer.inputs) == 1
+            and layer.rule.keeps_per_sample(layer.module, layer.inputs[0], shape)
+            and _reaches(edge.node, targets, dead_ends)
+        ):
             kept.append(layer)
         else:
             booked.append(layer)
@@ -198,16 +203,27 @@ def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
     def keep(layer: _Layer, output_nr: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
         if grad_outputs[output_nr] is not None:
             layer.kept = layer.rule.per_sample(
-                layer.module, Call(layer.inputs[0], grad_outputs[output_nr]))
+                layer.module, Call(layer.inputs[0], grad_outputs[output_nr])
+            )
             layer.inputs.clear()  # a is no longer needed: free it as the backward goes
 
-    handles = [layer.outputs[0][0].node.register_prehook(
-        functools.partial(keep, layer, layer.outputs[0][0].output_nr)) for layer in kept]
-    recorded = [(layer, x, out) for layer in booked for x, out in
-                zip(layer.inputs, layer.outputs, strict=True)]
+    handles = [
+        layer.outputs[0][0].node.register_prehook(
+            functools.partial(keep, layer, layer.outputs[0][0].output_nr)
+        )
+        for layer in kept
+    ]
+    recorded = [
+        (layer, x, out)
+        for layer in booked
+        for x, out in zip(layer.inputs, layer.outputs, strict=True)
+    ]
     try:
-        grads = torch.autograd.grad(losses.sum(), [out[0] for _, _, out in recorded],
-                                    allow_unused=True) if recorded else ()
+        grads = (
+            torch.autograd.grad(losses.sum(), [out[0] for _, _, out in recorded], allow_unused=True)
+            if recorded
+            else ()
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -218,8 +234,10 @@ def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
         calls[layer.name].append(Call(x, g))
     for layer in kept:
         if layer.kept is None:  # its output did not reach the loss
-            layer.kept = {attr: (p := getattr(layer.module, attr)).new_zeros(len(losses), *p.shape)
-                          for attr in layer.params}
+            layer.kept = {
+                attr: (p := getattr(layer.module, attr)).new_zeros(len(losses), *p.shape)
+                for attr in layer.params
+            }
     return calls
 
 
@@ -227,8 +245,7 @@ def _per_sample_grads(
     model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, names: list[str]
 ) -> dict[str, Tensor]:
     """Per-sample gradients [B, *shape] of the named parameters by ``vmap(grad(...))``."""
-    state = {**dict(model.named_buffers()), **{n: p.detach() for n, p in
-                                                model.named_parameters()}}
+    state = {**dict(model.named_buffers()), **{n: p.detach() for n, p in model.named_parameters()}}
     chosen = {n: state.pop(n) for n in names}
 
     def loss_one(chosen: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
@@ -285,15 +302,19 @@ def clipped_grad_sum(
         )
     for layer in layers:
         if not layer.inputs or layer.shared:
-            reason = "is not called on a per-sample batch" if layer.shared else (
-                "was never called as a module (its parameters are used directly)")
+            reason = (
+                "is not called on a per-sample batch"
+                if layer.shared
+                else ("was never called as a module (its parameters are used directly)")
+            )
             _fall_back(layer.name, layer.module, reason)
             fallback += layer.params.values()
     layers = [layer for layer in layers if layer.inputs and not layer.shared]
     calls = _backward(losses, layers)
     del losses
-    fallback_grads = (_per_sample_grads(model, loss_fn, inputs, targets, fallback)
-                      if fallback else {})
+    fallback_grads = (
+        _per_sample_grads(model, loss_fn, inputs, targets, fallback) if fallback else {}
+    )
 
     squares = {n: sq_norms(g) for n, g in fallback_grads.items()}
     for layer in layers:

@@ -130,8 +130,10 @@ def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     p = g.shape[-1]
     ghost = positions > 1 and use_ghost(positions, d, p)
     transient = positions * positions if ghost else (p * d if positions > 1 else 0)
-    out = [_guarded_sq_norms(a[part].double(), g[part].double(), ghost).sum(1)
-           for part in _chunks(batch, groups * (positions * (d + p) + transient))]
+    out = [
+        _guarded_sq_norms(a[part].double(), g[part].double(), ghost).sum(1)
+        for part in _chunks(batch, groups * (positions * (d + p) + transient))
+    ]
     return _cat(out, 0)
 
 
@@ -226,8 +228,9 @@ class LayerRule:
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
         raise NotImplementedError
 
-    def keeps_per_sample(self, module: nn.Module, activation: Tensor,
-                         output_shape: torch.Size) -> bool:
+    def keeps_per_sample(
+        self, module: nn.Module, activation: Tensor, output_shape: torch.Size
+    ) -> bool:
         return not self.has_weight_matrix
 
     def per_sample(self, module: nn.Module, call: Call) -> dict[str, Tensor]:
@@ -282,17 +285,21 @@ class LinearRule(LayerRule):
     @staticmethod
     def _positions(calls: Sequence[Call]) -> tuple[Tensor, Tensor]:
         """Inputs [B, 1, T, d] and output gradients [B, 1, T, p], calls concatenated along T."""
+
         def positions(x: Tensor) -> Tensor:
             return x.reshape(x.shape[0], 1, -1, x.shape[-1])
 
-        return (_cat([positions(c.activation) for c in calls], 2),
-                _cat([positions(c.grad) for c in calls], 2))
+        return (
+            _cat([positions(c.activation) for c in calls], 2),
+            _cat([positions(c.grad) for c in calls], 2),
+        )
 
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         return positions_sq_norms(*self._positions(calls))
 
-    def keeps_per_sample(self, module: nn.Module, activation: Tensor,
-                         output_shape: torch.Size) -> bool:
+    def keeps_per_sample(
+        self, module: nn.Module, activation: Tensor, output_shape: torch.Size
+    ) -> bool:
         d, p = activation.shape[-1], output_shape[-1]
         positions = activation[0].numel() // d
         return positions > 1 and not use_ghost(positions, d, p)  # then p·d < T(d + p)
@@ -354,12 +361,15 @@ class ConvRule(LayerRule):
         p, d = module.out_channels // module.groups, module.weight[0].numel()  # per conv group
         return use_ghost(positions, d, p)
 
-    def keeps_per_sample(self, module: nn.Module, activation: Tensor,
-                         output_shape: torch.Size) -> bool:
+    def keeps_per_sample(
+        self, module: nn.Module, activation: Tensor, output_shape: torch.Size
+    ) -> bool:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         output = math.prod(output_shape[1:])
-        return (not self._ghost_cheaper(module, output // module.out_channels)
-                and module.weight.numel() < activation[0].numel() + output)
+        return (
+            not self._ghost_cheaper(module, output // module.out_channels)
+            and module.weight.numel() < activation[0].numel() + output
+        )
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
         """Per-sample weight gradients [B, *weight] from one weight-gradient convolution with the
@@ -370,8 +380,13 @@ class ConvRule(LayerRule):
         b = x4.shape[0]
         shape = (b * module.out_channels, module.weight.shape[1], *geo["kernel_size"])
         return torch.nn.grad.conv2d_weight(
-            x4.reshape(1, -1, *x4.shape[2:]), shape, g4.reshape(1, -1, *g4.shape[2:]),
-            geo["stride"], geo["padding"], geo["dilation"], b * module.groups,
+            x4.reshape(1, -1, *x4.shape[2:]),
+            shape,
+            g4.reshape(1, -1, *g4.shape[2:]),
+            geo["stride"],
+            geo["padding"],
+            geo["dilation"],
+            b * module.groups,
         ).view(b, *module.weight.shape)
 
     def _patch_chunks(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call]) -> list[slice]:
@@ -393,13 +408,20 @@ class ConvRule(LayerRule):
             grads.append(call.grad[part].double().flatten(2))  # [b, C_out, T]
         a, g = _cat(patches, -1), _cat(grads, -1)
         b, positions, groups = a.shape[0], a.shape[-1], module.groups
-        return (a.reshape(b, groups, -1, positions).transpose(-1, -2),
-                g.reshape(b, groups, -1, positions).transpose(-1, -2))
+        return (
+            a.reshape(b, groups, -1, positions).transpose(-1, -2),
+            g.reshape(b, groups, -1, positions).transpose(-1, -2),
+        )
 
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        return _cat([positions_sq_norms(*self._positions(module, calls, part))
-                     for part in self._patch_chunks(module, calls)], 0)
+        return _cat(
+            [
+                positions_sq_norms(*self._positions(module, calls, part))
+                for part in self._patch_chunks(module, calls)
+            ],
+            0,
+        )
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)

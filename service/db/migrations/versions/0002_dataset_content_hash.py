@@ -20,8 +20,9 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("dataset") as batch:
-        batch.add_column(sa.Column("content_sha256", sa.String(64), nullable=False,
-                                   server_default="0" * 64))
+        batch.add_column(
+            sa.Column("content_sha256", sa.String(64), nullable=False, server_default="0" * 64)
+        )
     with op.batch_alter_table("dataset") as batch:
         batch.alter_column("content_sha256", server_default=None)
 
