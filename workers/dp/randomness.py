@@ -36,6 +36,9 @@ import torch
 from randomgen import AESCounter
 from torch import Tensor
 
+#: Gaussian pairs drawn per chunk (1 MiB of float64 uniforms)
+CHUNK = 1 << 16
+
 
 class SecureStream:
     """An independent stream of cryptographically secure random numbers."""
@@ -71,14 +74,16 @@ class SecureStream:
 
     def _box_muller(self, n: int, dtype: torch.dtype) -> Tensor:
         """n standard normals: pairs r·cos θ, r·sin θ with r = √(−2 ln(1 − u₁)) from a 53-bit
-        u₁ in float64 (see the module docstring) and θ = 2πu₂ in ``dtype``."""
-        half = (n + 1) // 2
-        u = self.uniform(2 * half)
-        radius = u[:half].neg_().log1p_().mul_(-2.0).sqrt_().to(dtype)
-        angle = u[half:].to(dtype).mul_(2 * math.pi)
-        out = torch.empty(2 * half, dtype=dtype)
-        torch.mul(radius, torch.cos(angle), out=out[:half])
-        torch.mul(radius, angle.sin_(), out=out[half:])
+        u₁ in float64 (see the module docstring) and θ = 2πu₂ in ``dtype``, drawn in chunks of
+        at most ``CHUNK`` pairs so the float64 transients stay small for a large model."""
+        out = torch.empty(n + n % 2, dtype=dtype)
+        for start in range(0, len(out), 2 * CHUNK):
+            pairs = out[start : start + 2 * CHUNK].view(2, -1)
+            u = self.uniform(pairs.numel())
+            radius = u[: pairs.shape[1]].neg_().log1p_().mul_(-2.0).sqrt_().to(dtype)
+            angle = u[pairs.shape[1] :].to(dtype).mul_(2 * math.pi)
+            torch.mul(radius, torch.cos(angle), out=pairs[0])
+            torch.mul(radius, angle.sin_(), out=pairs[1])
         return out[:n]
 
     def integers(self, high: int) -> int:
