@@ -8,7 +8,8 @@ resources of a trial. Sizes are bounded so that a request cannot exhaust the mac
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Self
+from collections.abc import Hashable, Mapping
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -30,6 +31,8 @@ from core.config import (
     TrialConfig,
     ValidationConfig,
 )
+
+K = TypeVar("K", bound=Hashable)
 
 MAX_TRIALS = 1000  # trials of one job (grid size × samples, or a cap on a random K)
 MAX_VALUES = 100  # values listed for one hyperparameter
@@ -183,6 +186,12 @@ class Selection(Strict):
 
     metric: Literal["val_accuracy"] = "val_accuracy"
     mode: Literal["max", "min"] = "max"
+
+    def best(self, scores: Mapping[K, float]) -> K | None:
+        """The key of the best score (None when there is none): the one rule that picks the
+        released trial, applied by the runner and checked by the control plane."""
+        sign = 1 if self.mode == "max" else -1
+        return max(scores, key=lambda key: sign * scores[key], default=None)
 
 
 class Resources(Strict):

@@ -7,6 +7,16 @@ from typing import Any
 import httpx
 
 
+class ControlPlaneError(RuntimeError):
+    """The control plane answered a call with an error status."""
+
+    def __init__(self, method: str, path: str, response: httpx.Response) -> None:
+        super().__init__(
+            f"control plane: {method} {path}: {response.status_code} {response.text[:500]}"
+        )
+        self.status = response.status_code
+
+
 class AttemptRefused(Exception):
     """The job's reservation does not cover this attempt: it must not touch data."""
 
@@ -22,15 +32,10 @@ class ControlPlane:
             transport=httpx.HTTPTransport(retries=5),
         )
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return self.http.request(method, self.base + path, **kwargs)
-
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._request(method, path, **kwargs)
+        response = self.http.request(method, self.base + path, **kwargs)
         if not response.is_success:
-            raise RuntimeError(
-                f"control plane: {method} {path}: {response.status_code} {response.text[:500]}"
-            )
+            raise ControlPlaneError(method, path, response)
         return response
 
     def context(self) -> dict[str, Any]:
@@ -43,13 +48,12 @@ class ControlPlane:
 
     def start_attempt(self, index: int, params: dict[str, Any]) -> int:
         """Record (and charge) an attempt of trial ``index`` before it reads data."""
-        response = self._request("POST", "/attempts", json={"index": index, "params": params})
-        if response.status_code == httpx.codes.CONFLICT:
-            raise AttemptRefused(response.json()["detail"])
-        if not response.is_success:
-            raise RuntimeError(
-                f"control plane: POST /attempts: {response.status_code} {response.text[:500]}"
-            )
+        try:
+            response = self._call("POST", "/attempts", json={"index": index, "params": params})
+        except ControlPlaneError as error:
+            if error.status == httpx.codes.CONFLICT:  # not covered by the reservation
+                raise AttemptRefused(str(error)) from None
+            raise
         return int(response.json()["attempt"])
 
     def progress(self, attempt: int, steps: int, metrics: list[dict[str, Any]]) -> None:

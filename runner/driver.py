@@ -18,6 +18,7 @@ from ray import tune
 
 from core.accounting import tuning_method
 from core.config import DatasetConfig
+from core.spec import Selection
 from runner.client import ControlPlane
 from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
@@ -93,8 +94,8 @@ def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) 
     if not scores:
         log.warning("no trial finished: nothing to release")
         return "succeeded"
-    sign = 1 if ctx.spec["selection"]["mode"] == "max" else -1
-    best = max(scores, key=lambda index: sign * scores[index])
+    best = Selection.model_validate(ctx.spec["selection"]).best(scores)
+    assert best is not None  # scores is not empty
     api.upload_model(best, ctx.weights_path(best).read_bytes())
     for index in scores:
         ctx.weights_path(index).unlink(missing_ok=True)

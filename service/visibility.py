@@ -28,6 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, object_session
 
 from core import accounting
+from core.spec import Selection
 from service import ledger
 from service.auth import Principal
 from service.db import Dataset, Job, LedgerEntry, Trial, TrialAttempt
@@ -171,8 +172,9 @@ def _status(job: Job, caller: Principal, outcome: bool) -> str:
 def _progress(job: Job, caller: Principal, shown: list[Trial]) -> Progress:
     """Under random stopping the total is ``"random"``, and analysts get no count of trials
     done."""
-    scores = [t.score for t in shown if t.score is not None]
-    best = (max if job.spec["selection"]["mode"] == "max" else min)(scores) if scores else None
+    scores = {t.id: t.score for t in shown if t.score is not None}
+    best_trial = Selection.model_validate(job.spec["selection"]).best(scores)
+    best = None if best_trial is None else scores[best_trial]
     done = sum(t.status in ("succeeded", "failed") for t in shown)
     return Progress(
         trials_done=None if _k_secret(job, caller) else done,

@@ -114,7 +114,7 @@ def plan_privacy(cfg: TrialConfig, size: int) -> Privacy:
     return Privacy(q, steps, sigma, gradient_noise(cfg.method, cfg.batch_size, sigma), val_rdp)
 
 
-def _engine(
+def build_engine(
     cfg: TrialConfig, model: nn.Module, privacy: Privacy, randomness: TrialRandomness
 ) -> PrivateStep:
     groups = resolve_groups(
@@ -184,7 +184,7 @@ def run_trial(
     )  # type: ignore[union-attr]
     torch.manual_seed(randomness.init_seed())
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
-    engine = _engine(cfg, model, privacy, randomness)
+    engine = build_engine(cfg, model, privacy, randomness)
 
     thresholds, metrics = [], []
     batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, randomness.sampling)
@@ -231,7 +231,7 @@ def run_trial(
     return TrialOutcome(result, model)
 
 
-def _error_message(err: ValidationError) -> str:
+def error_message(err: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
 
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, on_step=lambda t, total: progress.update(task, completed=t, total=total)
             )
     except ValidationError as err:
-        print(f"invalid config: {_error_message(err)}", file=sys.stderr)
+        print(f"invalid config: {error_message(err)}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as err:
         print(f"invalid config: {err}", file=sys.stderr)

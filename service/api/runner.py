@@ -68,11 +68,11 @@ class Strict(BaseModel):
 
 
 class JobContextOut(BaseModel):
-    """What the runner needs: the admitted spec and plan, and the dataset's trial contract
-    (``core.config.DatasetConfig``: source, options, declared label set, content hash)."""
+    """What the runner needs: the admitted spec and plan (its ``method`` says how the trials
+    are charged), and the dataset's trial contract (``core.config.DatasetConfig``: source,
+    options, declared label set, content hash)."""
 
     job_id: int
-    accounting: str
     spec: dict[str, Any]
     plan: dict[str, Any]
     dataset: dict[str, Any]
@@ -133,7 +133,6 @@ def context(job_id: RunnerJob, session: SessionDep) -> JobContextOut:
     assert dataset is not None
     return JobContextOut(
         job_id=job.id,
-        accounting=job.accounting,
         spec=job.spec,
         plan=job.plan,
         dataset=dataset_config(dataset).model_dump(mode="json"),
@@ -183,9 +182,8 @@ def fail_open(job_id: RunnerJob, index: int, session: SessionDep) -> Response:
 
 def _best_trial(job: Job) -> Trial | None:
     """The finished trial with the best DP selection score (docs/design.md, invariant 5)."""
-    done = [t for t in job.trials if t.status == "succeeded" and t.score is not None]
-    sign = 1 if job.spec["selection"]["mode"] == "max" else -1
-    return max(done, key=lambda t: sign * t.score, default=None)  # type: ignore[operator]
+    done = {t: t.score for t in job.trials if t.status == "succeeded" and t.score is not None}
+    return JobSpec.model_validate(job.spec).selection.best(done)
 
 
 @router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED)

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from core.config import TrialConfig
 from workers.audit import AuditResult, run_audit
-from workers.trial import _error_message
+from workers.trial import error_message
 
 
 class Kind(StrEnum):
@@ -113,7 +113,7 @@ def audit(
                 on_step=lambda t, total: progress.update(task, completed=t, total=total),
             )
     except ValidationError as err:
-        raise typer.BadParameter(_error_message(err), param_hint="--config") from err
+        raise typer.BadParameter(error_message(err), param_hint="--config") from err
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     Console().print(_table(result))

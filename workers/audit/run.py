@@ -2,7 +2,7 @@
 
 :func:`run_audit` trains once exactly as :func:`workers.trial.run_trial` would — the same
 privacy plan (``plan_privacy``), model, clipper, threshold rule, optimizer, Poisson sampling and
-secure noise streams (``workers.trial._engine``) — on the real training data plus the included
+secure noise streams (``workers.trial.build_engine``) — on the real training data plus the included
 canaries, then scores every canary, guesses, and computes the lower bound of
 ``core.accounting.audit``.
 
@@ -35,7 +35,7 @@ from workers.dp import PrivateStep
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import micro_batches, poisson_batches
 from workers.models import build_model
-from workers.trial import Privacy, _engine, plan_privacy, resolve_device
+from workers.trial import Privacy, build_engine, plan_privacy, resolve_device
 
 CanaryKind = Literal["white", "black"]
 StepCallback = Callable[[int, int], None]
@@ -102,7 +102,7 @@ def run_audit(
     included = coin_flips(canaries, design)
     torch.manual_seed(randomness.init_seed())
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
-    engine = _engine(cfg, model, privacy, randomness)
+    engine = build_engine(cfg, model, privacy, randomness)
 
     inserted = (
         _white_box(engine, privacy, data, included, design)
