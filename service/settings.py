@@ -12,6 +12,12 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+class StartupError(RuntimeError):
+    """A start-up failure the operator fixes with a setting or a command. Its message is one
+    line that names the setting (``DPTUNE_…``) or the command to run; ``dptune serve`` prints
+    it and exits without a traceback."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DPTUNE_", env_ignore_empty=True, extra="ignore")
 
