@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import httpx
+
+log = logging.getLogger("dptune.control")
+
+#: answers of a proxy in front of a control plane that is restarting
+_UNAVAILABLE = {
+    httpx.codes.BAD_GATEWAY,
+    httpx.codes.SERVICE_UNAVAILABLE,
+    httpx.codes.GATEWAY_TIMEOUT,
+}
 
 
 class ControlPlaneError(RuntimeError):
@@ -22,18 +33,44 @@ class AttemptRefused(Exception):
 
 
 class ControlPlane:
-    """Calls for one job, authenticated by its token; connection errors are retried."""
+    """Calls for one job, authenticated by its token.
 
-    def __init__(self, url: str, token: str, job_id: int, timeout_s: float = 60.0) -> None:
+    A call the control plane did not answer — no connection (it is restarting), a connection
+    dropped mid-call, a proxy's 502/503/504 — is retried with exponential backoff for up to
+    ``patience_s``, so that a restart of the service does not fail the trials of a running
+    job. A retried call may have landed before its answer was lost; the API makes that
+    harmless: ending an attempt, failing open attempts, the job's start and end, and the model
+    upload count once, and a second attempt row only adds a charge (it ends, failed, with the
+    job)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        job_id: int,
+        timeout_s: float = 60.0,
+        patience_s: float = 300.0,
+    ) -> None:
         self.base = f"{url.rstrip('/')}/internal/v1/jobs/{job_id}"
-        self.http = httpx.Client(
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-            transport=httpx.HTTPTransport(retries=5),
-        )
+        self.patience_s = patience_s
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self.http.request(method, self.base + path, **kwargs)
+        deadline = time.monotonic() + self.patience_s
+        delay = 0.5
+        while True:
+            try:
+                response = self.http.request(method, self.base + path, **kwargs)
+                if response.status_code not in _UNAVAILABLE:
+                    break
+                failure: Exception = ControlPlaneError(method, path, response)
+            except httpx.TransportError as error:
+                failure = error
+            if time.monotonic() + delay > deadline:
+                raise failure
+            log.warning("%s %s: %s; retrying in %.1f s", method, path, failure, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
         if not response.is_success:
             raise ControlPlaneError(method, path, response)
         return response
@@ -46,10 +83,12 @@ class ControlPlane:
         """Mark the job running: a random-stopping job's bound is charged from here on."""
         self._call("POST", "/start")
 
-    def start_attempt(self, index: int, params: dict[str, Any]) -> int:
-        """Record (and charge) an attempt of trial ``index`` before it reads data."""
+    def start_attempt(self, index: int, params: dict[str, Any], node: str | None = None) -> int:
+        """Record (and charge) an attempt of trial ``index``, running on Ray node ``node``,
+        before it reads data."""
+        body = {"index": index, "params": params, "node": node}
         try:
-            response = self._call("POST", "/attempts", json={"index": index, "params": params})
+            response = self._call("POST", "/attempts", json=body)
         except ControlPlaneError as error:
             if error.status == httpx.codes.CONFLICT:  # not covered by the reservation
                 raise AttemptRefused(str(error)) from None
@@ -89,5 +128,7 @@ class ControlPlane:
             headers={"content-type": "application/octet-stream"},
         )
 
-    def end(self, state: str, error: str | None = None) -> None:
-        self._call("POST", "/end", json={"state": state, "error": error})
+    def end(self, state: str, error: str | None = None) -> tuple[float, float]:
+        """Settle the job; what it was charged: ε of its charges composed, at its δ."""
+        charged = self._call("POST", "/end", json={"state": state, "error": error}).json()
+        return float(charged["epsilon"]), float(charged["delta"])

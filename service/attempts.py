@@ -29,8 +29,11 @@ class AttemptRefused(Exception):
     """The attempt is not covered by the job's reservation; it must not touch data."""
 
 
-def start_attempt(session: Session, job_id: int, index: int, params: dict[str, Any]) -> int:
-    """Record (and charge) attempt n+1 of trial ``index``; returns the attempt's id."""
+def start_attempt(
+    session: Session, job_id: int, index: int, params: dict[str, Any], node: str | None = None
+) -> int:
+    """Record (and charge) attempt n+1 of trial ``index``, run on Ray node ``node``; returns
+    the attempt's id."""
     dataset_id = session.get(Job, job_id).dataset_id
     try:
         locked_dataset(session, dataset_id)
@@ -43,7 +46,7 @@ def start_attempt(session: Session, job_id: int, index: int, params: dict[str, A
             trial = Trial(job_id=job.id, index=index, params=params)
             session.add(trial)
             job.trials.append(trial)
-        attempt = TrialAttempt(number=len(trial.attempts) + 1)
+        attempt = TrialAttempt(number=len(trial.attempts) + 1, node=node)
         trial.attempts.append(attempt)
         trial.status = JobState.RUNNING
         session.flush()
@@ -72,12 +75,14 @@ def record_progress(
     session: Session, attempt_id: int, steps: int, metrics: list[dict[str, Any]]
 ) -> None:
     """Record an attempt's progress as it happens: steps run so far and new metric rows
-    (``{"name", "value", "epoch", "public"}``; ``public`` marks what analysts may see)."""
+    (``{"name", "value", "epoch", "public"}``; ``public`` marks what analysts may see). An
+    attempt that has ended records nothing more."""
     begin_write(session)
     attempt = session.get(TrialAttempt, attempt_id)
     trial = session.get(Trial, attempt.trial_id)
-    attempt.steps = steps
-    trial.metrics = [*trial.metrics, *metrics]
+    if attempt.ended_at is None:
+        attempt.steps = steps
+        trial.metrics = [*trial.metrics, *metrics]
     session.commit()
 
 
@@ -90,17 +95,18 @@ def finish_attempt(
     thresholds: list[float] | None = None,
 ) -> None:
     """Record how an attempt ended: its steps, the DP selection ``score`` and the per-step
-    clipping ``thresholds`` of an adaptive rule."""
+    clipping ``thresholds`` of an adaptive rule. The first end recorded stands: a runner's
+    retried call, or a straggler's report after its job ended, changes nothing."""
     begin_write(session)
     attempt = session.get(TrialAttempt, attempt_id)
     trial = session.get(Trial, attempt.trial_id)
-    attempt.status = status
-    attempt.steps = steps
-    attempt.ended_at = datetime.now(UTC)
-    trial.status = status
-    trial.steps += steps
-    trial.score = score
-    trial.thresholds = thresholds
+    if attempt.ended_at is None:
+        attempt.status = trial.status = status
+        attempt.steps = steps
+        attempt.ended_at = datetime.now(UTC)
+        trial.steps += steps
+        trial.score = score
+        trial.thresholds = thresholds
     session.commit()
 
 

@@ -3,20 +3,27 @@ transaction), state changes reported by the orchestrator, and settlement of its 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from core.spec import JobSpec
 from service import ledger
 from service.auth import Principal, digest
 from service.db import Dataset, Job, begin_write, locked_dataset
-from service.orchestration import JobState, Orchestrator, Submission
+from service.orchestration import JobState, Orchestrator, OrchestratorUnavailable, Submission
 from service.planning import PlannedJob
+
+log = logging.getLogger(__name__)
 
 
 class BudgetExceeded(Exception):
@@ -107,53 +114,193 @@ def admit(
         raise
 
 
-def submit(session: Session, orchestrator: Orchestrator, job: Job, dataset: Dataset) -> None:
-    """Hand an admitted job to the orchestrator with a runner token minted for it (its hash
-    stored first: the runner may call back at once); a job that cannot be submitted fails
-    (and, never having started, gets its reservation back)."""
-    token = f"dpr_{secrets.token_urlsafe(32)}"
-    begin_write(session)
-    session.get(Job, job.id).runner_token_sha256 = digest(token)
-    session.commit()
-    try:
-        orchestrator.submit(Submission(job.id, token, dataset.name))
-    except Exception as error:
-        apply_state(session, job.id, JobState.FAILED, f"submission failed: {error}")
-        return
-    begin_write(session)
-    session.get(Job, job.id).submitted_at = datetime.now(UTC)
-    session.commit()
+class _PerJob:
+    """Serializes, within this process, what hands one job to the orchestrator: the POST that
+    admitted it, the poller, a cancel."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._busy: set[int] = set()
+
+    @contextmanager
+    def hold(self, job_id: int) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: job_id not in self._busy)
+            self._busy.add(job_id)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._busy.discard(job_id)
+                self._changed.notify_all()
 
 
-def refresh(session: Session, orchestrator: Orchestrator, job: Job) -> None:
-    """Ask the orchestrator about an active job and record what it says (taking the budget
-    lock only when the state changed)."""
-    if not JobState(job.status).terminal:
-        state = orchestrator.status(job.id)
-        if state != job.status:
-            apply_state(session, job.id, state)
+_handing_over = _PerJob()
 
 
-def reconcile(session: Session, orchestrator: Orchestrator, *, startup: bool = False) -> None:
-    """Bring every job the database believes active in line with the orchestrator, settling
-    those that ended (at start-up: while the service was down). Only submitted jobs are asked
-    about — an admitted job may be a moment away from its submission. At start-up a job
-    admitted but never submitted (the service stopped in between) fails, and since it never
-    ran, its whole reservation is released."""
+def submit(session: Session, orchestrator: Orchestrator, job_id: int) -> None:
+    """Hand an admitted job to the orchestrator — once — or, when it does not answer, leave
+    the job ``queued`` with ``submitted_at`` unset and its reservation held: the poller hands
+    it over when the orchestrator answers again (:func:`submit_pending`). Nothing is charged
+    or released meanwhile: no trial has run.
+
+    Once: the orchestrator files each job under a name made from its id (Ray: the submission
+    id ``dptune-<ns>-job-<id>``) and takes a second submission of it as done; within this
+    process one job is handed over by one caller at a time. A job's runner token is minted
+    for each try (only its hash is stored, first: the runner may call back at once), so a
+    retry first asks whether an earlier try got through — a lost reply, or a service that
+    stopped in between — and if so records the job as submitted with the token it got.
+    A job the orchestrator refuses fails, and having never run, gets its reservation back."""
+    with contextlib.suppress(OrchestratorUnavailable), _handing_over.hold(job_id):
+        _hand_over(session, orchestrator, job_id)
+
+
+def submit_pending(session: Session, orchestrator: Orchestrator) -> None:
+    """Submit, in id order, every admitted job not handed to the orchestrator yet; stop at the
+    first sign that it does not answer (the next round tries again)."""
     active = [JobState.QUEUED.value, JobState.RUNNING.value]
-    query = select(Job.id, Job.submitted_at).where(Job.status.in_(active))
-    rows = session.execute(query).all()
-    submitted = [job_id for job_id, at in rows if at is not None]
+    query = (
+        select(Job.id).where(Job.status.in_(active), Job.submitted_at.is_(None)).order_by(Job.id)
+    )
+    for job_id in session.execute(query).scalars().all():
+        try:
+            with _handing_over.hold(job_id):
+                _hand_over(session, orchestrator, job_id)
+        except OrchestratorUnavailable as error:
+            log.warning("job %d stays queued (%s); trying again", job_id, error)
+            return
+
+
+def _hand_over(session: Session, orchestrator: Orchestrator, job_id: int) -> None:
+    job = session.get(Job, job_id, populate_existing=True)
+    session.commit()
+    if job is None or job.submitted_at is not None or JobState(job.status).terminal:
+        return
+    earlier = job.runner_token_sha256
+    if earlier is not None:  # an earlier try may have got through
+        state = orchestrator.status(job_id)
+        if state != JobState.LOST or job.status != JobState.QUEUED:
+            _record_submitted(session, job_id)
+            apply_state(session, job_id, state)
+            return
+    token = f"dpr_{secrets.token_urlsafe(32)}"
+    dataset = session.get(Dataset, job.dataset_id)
+    assert dataset is not None  # datasets are never deleted
+    if not _mint(session, job_id, earlier, digest(token)):
+        return
+    try:
+        orchestrator.submit(Submission(job_id, token, dataset.name, _title(job, dataset)))
+    except OrchestratorUnavailable:
+        raise
+    except Exception as error:
+        apply_state(session, job_id, JobState.FAILED, f"submission failed: {error}")
+        return
+    _record_submitted(session, job_id)
+
+
+def _title(job: Job, dataset: Dataset) -> str:
+    """The job's name in the cluster's job list: a fixed-K job's trial count, but no count of a
+    random-stopping job's trials (K is drawn later, by its runner, and stays secret)."""
+    model = job.spec["model"]["name"]
+    title = f"dptune job {job.id} · {model} on {dataset.name} · {job.accounting}"
+    trials = job.plan["trials"]
+    if trials["distribution"] != "fixed":
+        return title
+    return f"{title} · {trials['max']} trial{'s' if trials['max'] != 1 else ''}"
+
+
+def _mint(session: Session, job_id: int, earlier: str | None, token_sha256: str) -> bool:
+    """Store a new runner token's hash unless the job changed since it was read (another
+    process handed it over, or it was cancelled)."""
+    begin_write(session)
+    job = session.get(Job, job_id, populate_existing=True)
+    assert job is not None
+    mine = (
+        job.status == JobState.QUEUED
+        and job.submitted_at is None
+        and job.runner_token_sha256 == earlier
+    )
+    if mine:
+        job.runner_token_sha256 = token_sha256
+    session.commit()
+    return mine
+
+
+def _record_submitted(session: Session, job_id: int) -> None:
+    begin_write(session)
+    job = session.get(Job, job_id, populate_existing=True)
+    assert job is not None
+    job.submitted_at = job.submitted_at or datetime.now(UTC)
+    session.commit()
+
+
+def cancel(session: Session, orchestrator: Orchestrator, job_id: int) -> None:
+    """Stop a job. One not handed to the orchestrator yet is cancelled here and now with its
+    whole reservation released: it cannot have touched data even if an earlier try did reach
+    the orchestrator, since a cancelled job's runner can record — and so run — no attempt
+    (that job is still asked to stop, if the orchestrator answers). For a submitted job,
+    raises :class:`OrchestratorUnavailable` when the request to stop cannot be delivered."""
+    with _handing_over.hold(job_id):
+        job = session.get(Job, job_id, populate_existing=True)
+        session.commit()
+        assert job is not None
+        if job.submitted_at is None and job.status == JobState.QUEUED:
+            apply_state(session, job_id, JobState.CANCELLED)
+            if job.runner_token_sha256 is not None:
+                with contextlib.suppress(OrchestratorUnavailable):
+                    orchestrator.cancel(job_id)
+            return
+    orchestrator.cancel(job_id)
+    refresh(session, orchestrator, job_id)
+
+
+def refresh(session: Session, orchestrator: Orchestrator, job_id: int) -> None:
+    """Ask the orchestrator about a submitted, active job and record what it says (taking the
+    budget lock only when the state changed). When it does not answer the job is left as it
+    is: unreachable is not lost."""
+    job = session.get(Job, job_id, populate_existing=True)
+    session.commit()
+    if job is None or job.submitted_at is None or JobState(job.status).terminal:
+        return
+    try:
+        state = orchestrator.status(job_id)
+    except OrchestratorUnavailable:
+        return
+    if state != job.status:
+        apply_state(session, job_id, state)
+
+
+def reconcile(session: Session, orchestrator: Orchestrator) -> None:
+    """Bring every submitted, active job in line with the orchestrator, settling those that
+    ended (at start-up: while the service was down). Jobs not handed over yet are
+    :func:`submit_pending`'s; jobs the orchestrator cannot tell about right now are left as
+    they are."""
+    active = [JobState.QUEUED.value, JobState.RUNNING.value]
+    query = select(Job.id).where(Job.status.in_(active), Job.submitted_at.is_not(None))
+    submitted = list(session.execute(query).scalars())
+    session.commit()
     for job_id, state in orchestrator.reconcile(submitted).items():
         apply_state(session, job_id, state)
-    if startup:
-        for job_id in (job_id for job_id, at in rows if at is None):
-            apply_state(
-                session,
-                job_id,
-                JobState.FAILED,
-                "never submitted: the service stopped before handing the job to the orchestrator",
-            )
+
+
+def abandon(session: Session, reason: str) -> None:
+    """Fail every job the orchestrator was running — handed over (or started) and not ended —
+    when it has stopped answering for good (``DPTUNE_RAY_GIVE_UP_S``). Each is settled like any
+    failed job: charged every attempt it recorded and the rest of its reservation released.
+    That is exact because an attempt is recorded, and charged, before it reads data
+    (:mod:`service.attempts`), and a failed job can record no more — should its processes
+    still run somewhere, they can touch nothing new. Jobs never handed over stay queued:
+    nothing of theirs ran."""
+    query = select(Job.id).where(
+        or_(
+            Job.status == JobState.RUNNING.value,
+            (Job.status == JobState.QUEUED.value) & Job.submitted_at.is_not(None),
+        )
+    )
+    jobs = list(session.execute(query).scalars())
+    session.commit()
+    for job_id in jobs:
+        apply_state(session, job_id, JobState.FAILED, reason)
 
 
 def apply_state(session: Session, job_id: int, state: JobState, error: str | None = None) -> None:
@@ -191,4 +338,15 @@ def transition(session: Session, job: Job, state: JobState, error: str | None = 
     job.error = error or job.error
     if state.terminal:
         job.finished_at = now
+        _end_open_attempts(job, now)
         ledger.settle(session, job, charge_reservation=lost)
+
+
+def _end_open_attempts(job: Job, now: datetime) -> None:
+    """A job's processes end with it: an attempt that never reported its end (killed with its
+    Ray job, or on a node that died) has failed. It stays charged (:func:`ledger.settle`)."""
+    for trial in job.trials:
+        for attempt in trial.attempts:
+            if attempt.ended_at is None:
+                attempt.status = trial.status = "failed"
+                attempt.ended_at = now

@@ -3,6 +3,10 @@ implementation (Ray Jobs + Tune) plugs in here.
 
 The default, :class:`NullOrchestrator`, runs nothing: admitted jobs stay ``queued`` until
 cancelled. It exists so that the API, the budget and the tests work without a cluster.
+
+An orchestrator that does not answer (its cluster is down, restarting or out of reach) raises
+:class:`OrchestratorUnavailable`: what it runs is then *unknown*, never *lost* — the control
+plane keeps serving, leaves its jobs as they are and asks again later.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ class JobState(StrEnum):
     RELEASED = "released"  # ran to the end and released the best trial's model
     FAILED = "failed"
     CANCELLED = "cancelled"
-    #: reported by an orchestrator for a job it has no record of (e.g. the Ray cluster was
-    #: replaced while the service was down); recorded as ``failed`` with the job's whole
-    #: reservation charged, since what it touched is unknown
+    #: reported by an orchestrator that answered and has no record of the job (e.g. the Ray
+    #: cluster was replaced while the service was down) — never for one that did not answer;
+    #: recorded as ``failed`` with the job's whole reservation charged, since what it touched
+    #: is unknown
     LOST = "lost"
 
     @property
@@ -35,6 +40,12 @@ class JobState(StrEnum):
         }
 
 
+class OrchestratorUnavailable(Exception):
+    """The orchestrator did not answer, so the state of its jobs is unknown right now (not
+    lost: nothing may be settled on it). The message is one line that names no address or
+    credential: it is shown on the unauthenticated ``/healthz``."""
+
+
 @dataclass(frozen=True)
 class Submission:
     """What an orchestrator hands to a job's runner: the job's id and its runner token. The
@@ -45,6 +56,8 @@ class Submission:
     job_id: int
     token: str
     dataset_name: str
+    #: how the cluster's job list names the job (nothing secret, nothing that depends on K)
+    title: str = ""
 
 
 class Orchestrator(Protocol):
@@ -56,18 +69,28 @@ class Orchestrator(Protocol):
     @property
     def dashboard_url(self) -> str | None: ...
 
+    def check(self) -> None:
+        """Return when the orchestrator answers; raise :class:`OrchestratorUnavailable` when
+        it does not (the service's poller calls this before each round)."""
+
     def submit(self, submission: Submission) -> None:
-        """Start the job (asynchronously). Called after its reservation is committed."""
+        """Start the job (asynchronously). Called after its reservation is committed.
+        Idempotent per job id: a job the orchestrator already has counts as submitted. Raises
+        :class:`OrchestratorUnavailable` when it does not answer (the job is tried again
+        later); any other error means it refused the job."""
 
     def status(self, job_id: int) -> JobState:
-        """Current state of a submitted job."""
+        """Current state of a submitted job: :attr:`JobState.LOST` when the orchestrator
+        answers that it has no record of it, :class:`OrchestratorUnavailable` when it does not
+        answer."""
 
     def cancel(self, job_id: int) -> None:
-        """Ask the job to stop; :meth:`status` reports when it has."""
+        """Ask the job to stop; :meth:`status` reports when it has. Raises
+        :class:`OrchestratorUnavailable` when the request could not be delivered."""
 
     def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
-        """After a restart: the state of every job the database believes is queued or running
-        (jobs the orchestrator does not know about are reported ``failed``)."""
+        """The state of each of these submitted jobs (as :meth:`status`), leaving out those
+        whose state is unknown right now because the orchestrator did not answer."""
 
 
 @dataclass
@@ -77,6 +100,9 @@ class NullOrchestrator:
 
     cancelled: set[int] = field(default_factory=set)
     dashboard_url: str | None = None
+
+    def check(self) -> None:
+        pass
 
     def submit(self, submission: Submission) -> None:
         pass

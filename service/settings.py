@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,16 +23,23 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DPTUNE_", env_ignore_empty=True, extra="ignore")
 
     data_dir: Path = Path(".dptune")
-    """Holds the SQLite file, released models and operator-provided ``.npz`` datasets."""
+    """Holds the SQLite file, released models and dataset files (the operator's, and uploads
+    under ``uploads/``)."""
     database_url: str | None = None
     """SQLAlchemy URL; default ``sqlite:///<data_dir>/dptune.db``. PostgreSQL:
     ``postgresql+psycopg://user:pass@host/db`` (``pip install 'dptune[postgres]'``)."""
+    auto_upgrade: bool = False
+    """Migrate a database at an older schema revision at start. Off: the service refuses to
+    start on one and names the command (``dptune db upgrade``); an empty database is always
+    created."""
     operator_key: SecretStr | None = Field(None, min_length=16)
     """Bootstrap operator key. Unset: the first start creates one and prints it once."""
     max_body_bytes: int = Field(64 * 1024, gt=0)
     """Requests with a larger body are refused (413) before they are parsed."""
     max_model_bytes: int = Field(2 * 1024**3, gt=0)
     """The largest model a job's runner may upload (the released weights)."""
+    max_upload_bytes: int = Field(1024**3, gt=0)
+    """The largest dataset file an operator may upload (``PUT /v1/datasets/{id}/data``)."""
     control_url: str | None = None
     """Where a job's runner (on the Ray cluster) reaches this service's internal API. Default:
     the address ``dptune serve`` listens on (``http://127.0.0.1:8000``); set it when Ray nodes
@@ -44,9 +52,19 @@ class Settings(BaseSettings):
     """CPUs of a local head started by dptune (default: all)."""
     ray_num_gpus: int | None = Field(None, ge=0)
     """GPUs of a local head started by dptune (default: all that Ray detects)."""
+    model_imports: list[Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]] = []
+    """Modules (each with its submodules) whose model factories jobs may name by import path,
+    ``"model": {"name": "package.module:factory"}``; a JSON list in the environment:
+    ``DPTUNE_MODEL_IMPORTS='["mypkg.models"]'``. The package must be installed where the service
+    runs (it inspects the model at admission) and on the Ray nodes. Empty: built-in models only,
+    so that no caller runs code of their choosing on the cluster; operators' jobs included."""
     poll_interval_s: float = Field(2.0, gt=0)
     """How often the service asks the orchestrator about running jobs, so that jobs that end
     are settled even if nobody asks about them."""
+    ray_give_up_s: float = Field(1800.0, gt=0)
+    """How long the Ray Jobs API may go unanswered before the jobs running there are failed
+    (charged the attempts they recorded, the rest of their reservations released). Jobs not
+    handed to Ray yet stay queued however long it takes."""
 
     @cached_property
     def data_path(self) -> Path:

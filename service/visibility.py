@@ -214,10 +214,10 @@ def cancel_refusal(job: Job, caller: Principal) -> str | None:
 
 
 def trials(job: Job, caller: Principal) -> list[TrialView]:
-    """The trials the caller sees. Operators: everything, with each trial's attempts and what
-    they cost. Analysts: DP outputs only — parameters, the DP selection score, metrics marked
-    public, adaptive thresholds — and under random stopping only the released trial, without
-    its index."""
+    """The trials the caller sees. Operators: everything, with each trial's attempts (and the
+    Ray node each ran on) and what they cost. Analysts: DP outputs only — parameters, the DP
+    selection score, metrics marked public, adaptive thresholds — and under random stopping
+    only the released trial, without its index."""
     if caller.is_operator:
         return _operator_trials(job)
     released = job.artifact.trial_id if job.artifact else None
@@ -261,6 +261,7 @@ def _operator_trials(job: Job) -> list[TrialView]:
                     "number": a.number,
                     "status": a.status,
                     "steps": a.steps,
+                    "node": a.node,
                     "started_at": a.started_at.isoformat(),
                     "ended_at": a.ended_at.isoformat() if a.ended_at else None,
                 }

@@ -4,40 +4,124 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
 from service import lifecycle
 from service.api import datasets, errors, keys, plans, runner
 from service.api import jobs as jobs_api
-from service.api.limits import BodyLimit
+from service.api.limits import BodyLimit, InFlight
 from service.auth import bootstrap_operator
-from service.db import create_db_engine, upgrade
-from service.orchestration import NullOrchestrator, Orchestrator
+from service.db import create_db_engine, ensure_schema
+from service.db.engine import POOL_SIZE
+from service.orchestration import NullOrchestrator, Orchestrator, OrchestratorUnavailable
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def _poll(sessions: sessionmaker, orchestrator: Orchestrator) -> None:
+class RayHealth(BaseModel):
+    reachable: bool | None  # None: not asked yet (the app polls nothing)
+    error: str | None = None  # why not, in one line that names no address
+
+
+class Health(BaseModel):
+    """``/healthz``. HTTP 200 whenever the service answers — it serves budgets, datasets,
+    keys, plans and job reads while Ray is down, so a liveness or readiness probe should not
+    restart or drop it then — and ``status`` "degraded" while a dependency does not answer:
+    the database, or the Ray Jobs API (as last polled; also until the first poll has
+    answered)."""
+
+    status: Literal["ok", "degraded"]
+    database: Literal["ok", "unreachable"]
+    ray: RayHealth
+
+
+@dataclass
+class Reachability:
+    """What the poller last learned of the orchestrator. ``last_answer`` starts at the
+    service's start: a cluster that has not answered since counts as silent since then."""
+
+    reachable: bool | None = None
+    error: str | None = None
+    last_answer: float = field(default_factory=time.monotonic)
+
+    def answered(self) -> None:
+        if self.reachable is False:
+            log.warning("the Ray Jobs API answers again")
+        self.reachable, self.error = True, None
+        self.last_answer = time.monotonic()
+
+    def unanswered(self, error: str) -> float:
+        """Record that it did not answer; return for how long it has not (in seconds)."""
+        if self.reachable is not False or error != self.error:
+            log.warning(
+                "Ray does not answer (%s): serving degraded, jobs are queued until it does", error
+            )
+        self.reachable, self.error = False, error
+        return time.monotonic() - self.last_answer
+
+
+def _poll(
+    sessions: sessionmaker, orchestrator: Orchestrator, seen: Reachability, give_up_s: float
+) -> None:
+    """One round: is the orchestrator there? Then settle the jobs that ended and hand over the
+    jobs still queued. While it does not answer nothing is settled (unknown is not lost) —
+    until ``give_up_s`` have passed without an answer: then the jobs it was running are
+    failed (:func:`service.lifecycle.abandon`)."""
+    try:
+        orchestrator.check()
+    except OrchestratorUnavailable as error:
+        silent_s = seen.unanswered(str(error))
+        if silent_s > give_up_s:
+            with sessions() as session:
+                lifecycle.abandon(
+                    session,
+                    f"the Ray cluster has not answered for {silent_s:.0f} s "
+                    "(DPTUNE_RAY_GIVE_UP_S): failed, charged the trial attempts it recorded",
+                )
+        return
+    seen.answered()
     with sessions() as session:
         lifecycle.reconcile(session, orchestrator)
+        lifecycle.submit_pending(session, orchestrator)
 
 
-async def _keep_polling(
-    sessions: sessionmaker, orchestrator: Orchestrator, interval: float
-) -> None:
-    """Settle jobs that end while nobody asks about them (no job stays "running" forever)."""
+async def _keep_polling(poll: Callable[[], None], interval: float) -> None:
+    """Poll now and every ``interval`` s, so that jobs that end are settled and queued jobs
+    handed over while nobody asks (no job stays "running" forever). A failing round is one log
+    line, repeated only when the failure changes; the next round tries again."""
+    failing: str | None = None
     while True:
-        await asyncio.sleep(interval)
         try:
-            await run_in_threadpool(_poll, sessions, orchestrator)
-        except Exception:
-            log.exception("polling the orchestrator failed; trying again")
+            await run_in_threadpool(poll)
+            failing = None
+        except Exception as error:
+            line = f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+            if line != failing:
+                log.warning("polling failed, trying again every %g s: %s", interval, line)
+            failing = line
+        await asyncio.sleep(interval)
+
+
+def _database(sessions: sessionmaker) -> Literal["ok", "unreachable"]:
+    try:
+        with sessions() as session:
+            session.execute(text("SELECT 1"))
+    except SQLAlchemyError:
+        return "unreachable"
+    return "ok"
 
 
 def create_app(
@@ -47,36 +131,37 @@ def create_app(
 ) -> FastAPI:
     """Build the API. Without an ``orchestrator`` jobs are admitted and charged but never run
     (:class:`~service.orchestrator.NullOrchestrator`). With ``poll_interval`` the app asks the
-    orchestrator about active jobs that often, and settles those that ended."""
+    orchestrator about active jobs at start and that often after, settles those that ended
+    (while the service was down, too) and hands over those admitted while it did not answer
+    (:func:`_poll`). Start-up itself does not wait for the orchestrator."""
     settings = settings or Settings()
     orchestrator = orchestrator or NullOrchestrator()
+    seen = Reachability()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_path.mkdir(parents=True, exist_ok=True)
         engine = create_db_engine(settings.sqlalchemy_url)
-        upgrade(engine)
+        ensure_schema(engine, settings.auto_upgrade)
         sessions = sessionmaker(engine, expire_on_commit=False)
         with sessions() as session:
             configured = settings.operator_key
             secret = bootstrap_operator(
                 session, configured.get_secret_value() if configured else None
             )
-            lifecycle.reconcile(session, orchestrator, startup=True)
         if secret is not None:
             print(f"dptune: created the operator key (shown once): {secret}", flush=True)
         app.state.settings = settings
         app.state.sessions = sessions
         app.state.orchestrator = orchestrator
-        poller = (
-            asyncio.create_task(_keep_polling(sessions, orchestrator, poll_interval))
-            if poll_interval
-            else None
-        )
-        yield
-        if poller is not None:
-            poller.cancel()
-        engine.dispose()
+        poll = partial(_poll, sessions, orchestrator, seen, settings.ray_give_up_s)
+        poller = asyncio.create_task(_keep_polling(poll, poll_interval)) if poll_interval else None
+        try:
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+            engine.dispose()
 
     app = FastAPI(
         title="dptune",
@@ -84,18 +169,27 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.add_middleware(InFlight, limit=POOL_SIZE)  # inside BodyLimit: bodies are read first
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
         large_paths=runner.MODEL_UPLOAD_PATHS,
         large_bytes=settings.max_model_bytes,
+        streamed_paths=datasets.UPLOAD_PATHS,
+        streamed_bytes=settings.max_upload_bytes,
     )
     errors.install(app)
     for router in (keys.router, datasets.router, plans.router, jobs_api.router, runner.router):
         app.include_router(router)
 
     @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> Health:
+        database = _database(app.state.sessions)
+        ok = database == "ok" and (seen.reachable or not poll_interval)
+        return Health(
+            status="ok" if ok else "degraded",
+            database=database,
+            ray=RayHealth(reachable=seen.reachable, error=seen.error),
+        )
 
     return app

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 
+from core.spec import MAX_ID
 from service.api.deps import Operator, SessionDep
-from service.api.errors import field_error
+from service.api.errors import COMMON, field_error, responses
 from service.auth import create_key
-from service.db import ApiKey, Dataset
+from service.db import ApiKey, Dataset, begin_write
 
-router = APIRouter(prefix="/v1/keys", tags=["keys"])
+router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=COMMON | responses(403))
 
 
 class KeyIn(BaseModel):
@@ -22,7 +23,9 @@ class KeyIn(BaseModel):
 
     name: str = Field("", max_length=100)
     role: Literal["operator", "analyst"]
-    datasets: list[int] = Field(default_factory=list, max_length=1000)
+    datasets: list[Annotated[int, Field(ge=1, le=MAX_ID)]] = Field(
+        default_factory=list, max_length=1000
+    )
 
     @model_validator(mode="after")
     def _scope(self) -> Self:
@@ -55,6 +58,7 @@ def _out(key: ApiKey) -> dict:
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create(body: KeyIn, session: SessionDep, _: Operator) -> NewKeyOut:
+    begin_write(session)  # read and write in one writer's transaction (SQLite: no "locked")
     datasets = list(session.execute(select(Dataset).where(Dataset.id.in_(body.datasets))).scalars())
     missing = sorted(set(body.datasets) - {d.id for d in datasets})
     if missing:

@@ -14,25 +14,30 @@ only the reservation of what never ran, computed here from the recorded attempts
 from __future__ import annotations
 
 import hmac
+import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
 from core.config import DatasetConfig
-from core.spec import JobSpec
-from service import attempts, lifecycle
-from service.api.deps import SessionDep, SettingsDep
-from service.api.errors import field_error
+from core.spec import MAX_ID, JobSpec, Scalar
+from service import attempts, ledger, lifecycle
+from service.api.deps import Id, SessionDep, SettingsDep
+from service.api.errors import COMMON, field_error, responses
 from service.auth import digest
 from service.db import Dataset, Job, Trial, TrialAttempt
 from service.orchestration import JobState
 
-router = APIRouter(prefix="/internal/v1/jobs/{job_id}", tags=["runner (internal)"])
+router = APIRouter(
+    prefix="/internal/v1/jobs/{job_id}",
+    tags=["runner (internal)"],
+    responses=COMMON | responses(404),  # any job but the token's own: 404
+)
 #: request paths of model uploads, which may be larger than other bodies
 MODEL_UPLOAD_PATHS = r"/internal/v1/jobs/\d+/trials/\d+/model"
 
@@ -41,7 +46,7 @@ _bearer = HTTPBearer(auto_error=False, description="the job's runner token")
 
 def runner_job(
     request: Request,
-    job_id: Annotated[int, Path(ge=1)],
+    job_id: Id,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> int:
     """The job id, when the request carries that job's runner token; 404 otherwise (a token
@@ -61,6 +66,7 @@ def runner_job(
 
 
 RunnerJob = Annotated[int, Depends(runner_job)]
+Index = Annotated[int, Path(ge=0, le=MAX_ID)]  # a trial's index in its job
 
 
 class Strict(BaseModel):
@@ -78,9 +84,29 @@ class JobContextOut(BaseModel):
     dataset: dict[str, Any]
 
 
+def _finite(value: Any) -> Any:
+    """Refuse NaN and ±Infinity anywhere in a JSON value: Python's JSON parser accepts them,
+    but they are not JSON — PostgreSQL refuses to store them (a 500) and no response may carry
+    them."""
+    match value:
+        case float() if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        case dict():
+            for item in value.values():
+                _finite(item)
+        case list():
+            for item in value:
+                _finite(item)
+    return value
+
+
+FiniteJson = Annotated[Any, AfterValidator(_finite)]
+
+
 class AttemptIn(Strict):
-    index: int = Field(ge=0)
-    params: dict[str, Any]
+    index: int = Field(ge=0, le=MAX_ID)
+    params: dict[str, Scalar]  # the candidate's hyperparameters
+    node: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}$")  # the Ray node id, hex
 
 
 class AttemptOut(BaseModel):
@@ -88,13 +114,13 @@ class AttemptOut(BaseModel):
 
 
 class ProgressIn(Strict):
-    steps: int = Field(ge=0)
-    metrics: list[dict[str, Any]] = Field(max_length=10_000)
+    steps: int = Field(ge=0, le=MAX_ID)
+    metrics: list[dict[str, FiniteJson]] = Field(max_length=10_000)
 
 
 class FinishIn(Strict):
     status: Literal["succeeded", "failed"]
-    steps: int = Field(ge=0)
+    steps: int = Field(ge=0, le=MAX_ID)
     score: float | None = None
     thresholds: list[float] | None = None
 
@@ -102,6 +128,11 @@ class FinishIn(Strict):
 class EndIn(Strict):
     state: Literal["released", "succeeded", "failed"]
     error: str | None = Field(None, max_length=2000)
+
+
+class EndOut(BaseModel):
+    epsilon: float  # the job's charges composed, at ...
+    delta: float  # ... the job's δ
 
 
 def dataset_config(dataset: Dataset) -> DatasetConfig:
@@ -147,24 +178,25 @@ def start(job_id: RunnerJob, session: SessionDep) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.post("/attempts", status_code=status.HTTP_201_CREATED)
+@router.post("/attempts", status_code=status.HTTP_201_CREATED, responses=responses(409))
 def start_attempt(job_id: RunnerJob, body: AttemptIn, session: SessionDep) -> AttemptOut:
     """Record and charge an attempt before it reads data; 409 when not covered."""
     try:
-        return AttemptOut(attempt=attempts.start_attempt(session, job_id, body.index, body.params))
+        attempt = attempts.start_attempt(session, job_id, body.index, body.params, body.node)
     except attempts.AttemptRefused as refused:
         raise field_error("index", str(refused), status.HTTP_409_CONFLICT) from None
+    return AttemptOut(attempt=attempt)
 
 
 @router.post("/attempts/{attempt_id}/progress", status_code=status.HTTP_204_NO_CONTENT)
-def progress(job_id: RunnerJob, attempt_id: int, body: ProgressIn, session: SessionDep) -> Response:
+def progress(job_id: RunnerJob, attempt_id: Id, body: ProgressIn, session: SessionDep) -> Response:
     _attempt(session, job_id, attempt_id)
     attempts.record_progress(session, attempt_id, body.steps, body.metrics)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/attempts/{attempt_id}/finish", status_code=status.HTTP_204_NO_CONTENT)
-def finish(job_id: RunnerJob, attempt_id: int, body: FinishIn, session: SessionDep) -> Response:
+def finish(job_id: RunnerJob, attempt_id: Id, body: FinishIn, session: SessionDep) -> Response:
     _attempt(session, job_id, attempt_id)
     attempts.finish_attempt(
         session, attempt_id, body.status, body.steps, body.score, body.thresholds
@@ -173,7 +205,7 @@ def finish(job_id: RunnerJob, attempt_id: int, body: FinishIn, session: SessionD
 
 
 @router.post("/trials/{index}/fail-open", status_code=status.HTTP_204_NO_CONTENT)
-def fail_open(job_id: RunnerJob, index: int, session: SessionDep) -> Response:
+def fail_open(job_id: RunnerJob, index: Index, session: SessionDep) -> Response:
     """A trial's process died: its attempts that never reported an end are failed (they stay
     charged)."""
     attempts.fail_open_attempts(session, job_id, index)
@@ -186,14 +218,14 @@ def _best_trial(job: Job) -> Trial | None:
     return JobSpec.model_validate(job.spec).selection.best(done)
 
 
-@router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED)
+@router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED, responses=responses(409))
 async def upload_model(
-    job_id: RunnerJob, index: int, request: Request, session: SessionDep, settings: SettingsDep
+    job_id: RunnerJob, index: Index, request: Request, session: SessionDep, settings: SettingsDep
 ) -> Response:
     """Release the weights of trial ``index`` (safetensors bytes). Only the best finished trial
-    by its DP score may be released, once: the runner cannot pick another. The file's metadata
-    is written here — the trial config without the dataset part, and the dataset's public
-    shape."""
+    by its DP score may be released, once: the runner cannot pick another, and the first
+    upload stands (a retried upload changes nothing). The file's metadata is written here —
+    the trial config without the dataset part, and the dataset's public shape."""
     job = _job(session, job_id)
     best = _best_trial(job)
     if best is None or best.index != index:
@@ -201,7 +233,7 @@ async def upload_model(
             "index", f"trial {index} is not the job's best finished trial", status.HTTP_409_CONFLICT
         )
     if job.artifact is not None:
-        raise field_error("index", "the job has released its model", status.HTTP_409_CONFLICT)
+        return Response(status_code=status.HTTP_200_OK)
     try:
         tensors = load_safetensors(await request.body())
     except (SafetensorError, ValueError) as error:
@@ -223,10 +255,11 @@ async def upload_model(
     return Response(status_code=status.HTTP_201_CREATED)
 
 
-@router.post("/end", status_code=status.HTTP_204_NO_CONTENT)
-def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> Response:
+@router.post("/end", responses=responses(409))
+def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> EndOut:
     """The runner is done: ``released`` after a model upload, ``succeeded`` when no trial
-    finished, ``failed``. The job is settled."""
+    finished, ``failed``. The job is settled; the answer is what it was charged (the runner's
+    log ends with it)."""
     job = _job(session, job_id)
     if (body.state == "released") != (job.artifact is not None):
         raise field_error(
@@ -235,4 +268,4 @@ def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> Response:
             status.HTTP_409_CONFLICT,
         )
     lifecycle.apply_state(session, job_id, JobState(body.state), body.error)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return EndOut(epsilon=ledger.job_charged(session, job), delta=job.plan["delta"])

@@ -24,6 +24,7 @@ from core.accounting import gaussian_rdp, tuning_epsilon
 from service.api import create_app
 from service.api.server import BackgroundServer, free_port
 from service.cluster import ray_orchestrator
+from service.orchestration import OrchestratorUnavailable
 from service.settings import Settings
 
 BUDGET = {"epsilon": 8.0, "delta": 1e-5}
@@ -174,6 +175,11 @@ def demo(
     console.print("Starting a local Ray head (dashboard on 127.0.0.1) …")
     port = free_port()
     orchestrator = ray_orchestrator(settings, f"http://127.0.0.1:{port}")
+    try:
+        orchestrator.check()  # starts the local head
+    except OrchestratorUnavailable as error:
+        console.print(f"dptune demo: {error}")
+        raise typer.Exit(1) from None
     app = create_app(settings, orchestrator, settings.poll_interval_s)
     try:
         with (
@@ -211,5 +217,5 @@ def demo(
             _summary(api, jobs, dataset["id"], data_dir, console)
             console.print(f"Ray dashboard (jobs and their logs): {orchestrator.dashboard_url}")
     finally:
-        if not keep_ray:
-            orchestrator.connection.stop()
+        if not keep_ray and orchestrator.local_head is not None:
+            orchestrator.local_head.stop()

@@ -1,5 +1,8 @@
 """Connecting to Ray: an existing cluster (``DPTUNE_RAY_ADDRESS``) or a local head started here.
 
+``dptune serve`` does not wait for Ray: it starts with its cluster down and keeps trying in the
+background (:class:`LocalHead`, :func:`probe`), so budgets and jobs can be read meanwhile.
+
 Ray 2.60 turns token authentication on for new local clusters. We keep it on: the token lives
 in ``<data dir>/ray/auth_token`` (created once, mode 0600) unless ``RAY_AUTH_TOKEN`` /
 ``RAY_AUTH_TOKEN_PATH`` name one, the local head is started with it, and every Jobs API call
@@ -15,10 +18,12 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from service.orchestration import OrchestratorUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,11 @@ class RayConnection:
     def stop(self) -> None:
         """Stop the local head if this process started it (``ray stop``)."""
         if self.started_here:
-            subprocess.run([_ray_cli(), "stop"], check=False, capture_output=True, timeout=120)
+            _ray_stop()
+
+
+def _ray_stop() -> None:
+    subprocess.run([_ray_cli(), "stop"], check=False, capture_output=True, timeout=120)
 
 
 def _ray_cli() -> str:
@@ -66,12 +75,19 @@ def ensure_token(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def _jobs_api_up(connection: RayConnection) -> bool:
+def probe(connection: RayConnection, timeout_s: float = 5) -> str | None:
+    """None when the Jobs API at ``connection`` answers (token included), else why not, in one
+    line that names no address: it is shown on the unauthenticated ``/healthz``."""
     try:
-        url = f"{connection.dashboard_url}/api/jobs/"
-        return httpx.get(url, headers=connection.headers, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+        url = f"{connection.dashboard_url}/api/version"
+        response = httpx.get(url, headers=connection.headers, timeout=timeout_s)
+    except httpx.HTTPError as error:
+        return f"no answer from the Ray Jobs API ({type(error).__name__})"
+    if response.status_code in (401, 403):
+        return "the Ray Jobs API refused the Ray auth token"
+    if response.status_code != 200:
+        return f"the Ray Jobs API answered HTTP {response.status_code}"
+    return None
 
 
 def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None) -> None:
@@ -96,6 +112,26 @@ def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None)
         raise RuntimeError(f"could not start a local Ray head:\n{done.stderr[-2000:]}")
 
 
+def _wait_until_up(connection: RayConnection, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while probe(connection) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the Ray Jobs API at {connection.dashboard_url} did not come up in "
+                f"{timeout_s:.0f} s"
+            )
+        time.sleep(0.5)
+
+
+def connection_to(data_dir: Path, address: str | None, dashboard_port: int) -> RayConnection:
+    """The Jobs API of the cluster at ``address`` or of the local head on ``dashboard_port``,
+    with the token to send it; nothing is contacted."""
+    token = ensure_token(data_dir) if auth_enabled() else None
+    return RayConnection(
+        address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token, started_here=False
+    )
+
+
 def connect(
     data_dir: Path,
     address: str | None = None,
@@ -106,19 +142,52 @@ def connect(
 ) -> RayConnection:
     """Connect to the Ray cluster whose dashboard is at ``address`` (e.g.
     ``http://head:8265``) or, when it is None, to the local head on ``dashboard_port``,
-    starting one if none answers."""
-    token = ensure_token(data_dir) if auth_enabled() else None
-    existing = RayConnection(
-        address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token, started_here=False
-    )
-    if address is not None or _jobs_api_up(existing):
+    starting one if none answers (and waiting for it)."""
+    existing = connection_to(data_dir, address, dashboard_port)
+    if address is not None or probe(existing) is None:
         return existing
     _start_head(dashboard_port, num_cpus, num_gpus)
-    deadline = time.monotonic() + timeout_s
-    while not _jobs_api_up(existing):
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"the Ray Jobs API at {existing.dashboard_url} did not come up in {timeout_s:.0f} s"
+    _wait_until_up(existing, timeout_s)
+    return RayConnection(existing.dashboard_url, existing.token, started_here=True)
+
+
+_COULD_NOT_START = "could not start the local Ray head (the service log says why)"
+
+
+@dataclass
+class LocalHead:
+    """The local head of the embedded default (no ``DPTUNE_RAY_ADDRESS``), started whenever
+    its Jobs API does not answer — at start, and again in the background should it fail to
+    start or stop later — at most once per ``retry_s``, so that a head that cannot start
+    (a port taken, Ray missing) costs one try, and one log line, per interval."""
+
+    dashboard_port: int
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    retry_s: float = 30.0
+    timeout_s: float = 120.0
+    started: bool = field(default=False, init=False)
+    _next_try: float = field(default=0.0, init=False)
+
+    def start(self, connection: RayConnection) -> None:
+        """Start the head behind ``connection`` and wait for its Jobs API; raise
+        :class:`OrchestratorUnavailable` (why goes to the log) when it cannot, or when the
+        last try was less than ``retry_s`` ago."""
+        if time.monotonic() < self._next_try:
+            raise OrchestratorUnavailable(_COULD_NOT_START)
+        self._next_try = time.monotonic() + self.retry_s
+        try:
+            _start_head(self.dashboard_port, self.num_cpus, self.num_gpus)
+            self.started = True
+            _wait_until_up(connection, self.timeout_s)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+            why = " ".join(str(error).split())[-500:]
+            log.warning(
+                "could not start a local Ray head (retrying in %.0f s): %s", self.retry_s, why
             )
-        time.sleep(0.5)
-    return RayConnection(existing.dashboard_url, token, started_here=True)
+            raise OrchestratorUnavailable(_COULD_NOT_START) from None
+
+    def stop(self) -> None:
+        """Stop the head if this process started it (``ray stop``)."""
+        if self.started:
+            _ray_stop()

@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from service.cluster.head import RayConnection, connect
-from service.orchestration import JobState, Submission
-from service.settings import Settings
+from service.cluster.head import LocalHead, RayConnection, connection_to, probe
+from service.orchestration import JobState, OrchestratorUnavailable, Submission
+from service.settings import Settings, StartupError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _STATES = {
     JobStatus.PENDING: JobState.QUEUED,
@@ -24,6 +32,50 @@ _STATES = {
     JobStatus.SUCCEEDED: JobState.SUCCEEDED,
     JobStatus.FAILED: JobState.FAILED,
 }
+
+
+class _NoSuchJob(Exception):
+    """The Jobs API answered 404: it has no record of the job."""
+
+
+class SubmissionRefused(Exception):
+    """The Jobs API answered a submission with a client error (4xx): the job cannot run."""
+
+
+_HTTP_STATUS = re.compile(r"status code (\d{3})")
+
+
+def _http_status(error: RuntimeError) -> int | None:
+    found = _HTTP_STATUS.search(str(error))
+    return int(found.group(1)) if found else None
+
+
+def _jobs_api(call: Callable[[], T]) -> T:
+    """Run one call of Ray's ``JobSubmissionClient`` and say what its failure means.
+
+    The SDK signals "no answer" as an ``OSError`` (requests' ``ConnectionError`` and
+    ``Timeout``; its own ``ConnectionError`` when a client is created) and every HTTP answer
+    other than 200 as ``RuntimeError("Request failed with status code N: <body>")``. Only
+    Ray's own 404 ("Job … does not exist") says the cluster has no record of a job
+    (:class:`_NoSuchJob`): any other answer — a 5xx, a 404 from something else at that
+    address, a refused token — like no answer leaves the job's state unknown
+    (:class:`OrchestratorUnavailable`), so an outage can never be read as a lost job and
+    charged as one."""
+    try:
+        return call()
+    except OSError as error:
+        raise OrchestratorUnavailable(
+            f"no answer from the Ray Jobs API ({type(error).__name__})"
+        ) from None
+    except AuthenticationError:
+        raise OrchestratorUnavailable("the Ray Jobs API refused the Ray auth token") from None
+    except RuntimeError as error:
+        code = _http_status(error)
+        if code == 404 and "does not exist" in str(error):
+            raise _NoSuchJob from None
+        raise OrchestratorUnavailable(
+            f"the Ray Jobs API answered {f'HTTP {code}' if code else 'with an error'}"
+        ) from None
 
 
 @dataclass
@@ -36,18 +88,29 @@ class RayOrchestrator:
     token (good for recording that job's own trials only, never for reducing a charge), the
     data directory — never the operator key, the database URL or any other ``DPTUNE_*``
     setting of the service. ``namespace`` tells apart the control planes (databases) that
-    share a cluster."""
+    share a cluster.
+
+    Nothing is contacted until a job needs it, so the service starts while the cluster is
+    down; ``local_head`` (the embedded default) is started by :meth:`check` when it does not
+    answer."""
 
     connection: RayConnection
     control_url: str
     data_dir: Path
     namespace: str
-    client: JobSubmissionClient = field(init=False)
+    local_head: LocalHead | None = None
+    _client: JobSubmissionClient | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.client = JobSubmissionClient(
-            self.connection.dashboard_url, headers=self.connection.headers
-        )
+    @property
+    def client(self) -> JobSubmissionClient:
+        """Ray's client, created on first use (creating one asks the cluster its version)."""
+        if self._client is None:
+            self._client = _jobs_api(
+                lambda: JobSubmissionClient(
+                    self.connection.dashboard_url, headers=self.connection.headers
+                )
+            )
+        return self._client
 
     def runtime_env(self, submission: Submission) -> dict[str, dict[str, str]]:
         return {
@@ -62,33 +125,72 @@ class RayOrchestrator:
     def submission_id(self, job_id: int) -> str:
         return f"dptune-{self.namespace}-job-{job_id}"
 
+    def check(self) -> None:
+        reason = probe(self.connection)
+        if reason is None:
+            return
+        if self.local_head is None:
+            raise OrchestratorUnavailable(reason)
+        self.local_head.start(self.connection)
+
     def submit(self, submission: Submission) -> None:
-        self.client.submit_job(
-            entrypoint=f"{sys.executable} -m runner {submission.job_id}",
-            submission_id=self.submission_id(submission.job_id),
-            metadata={"dptune_job": str(submission.job_id), "dataset": submission.dataset_name},
-            runtime_env=self.runtime_env(submission),
-        )
+        """Submit under the job's own submission id, so that Ray itself refuses a second
+        submission of one job: that refusal ("already exists") means it has the job. Ray
+        answers 500 to a submission its job agent could not take (not up yet after a restart:
+        "please try again later"), so only a 4xx refuses the job (:class:`SubmissionRefused`);
+        a 5xx leaves it queued for the next try."""
+
+        def submit_job() -> None:
+            try:
+                self.client.submit_job(
+                    entrypoint=f"{sys.executable} -m runner {submission.job_id}",
+                    submission_id=self.submission_id(submission.job_id),
+                    metadata={
+                        # the "Name" column of the dashboard's Jobs page
+                        "job_name": submission.title or f"dptune job {submission.job_id}",
+                        "dptune_job": str(submission.job_id),
+                        "dataset": submission.dataset_name,
+                    },
+                    runtime_env=self.runtime_env(submission),
+                )
+            except RuntimeError as error:
+                if "already exists" in str(error):
+                    log.info("job %d: Ray already has it", submission.job_id)
+                    return
+                code = _http_status(error)
+                if code is not None and 400 <= code < 500:
+                    raise SubmissionRefused(f"the Ray Jobs API answered HTTP {code}") from None
+                raise
+
+        _jobs_api(submit_job)
 
     def status(self, job_id: int) -> JobState:
         try:
-            return _STATES[self.client.get_job_status(self.submission_id(job_id))]
-        except RuntimeError:  # the Jobs API answers 404 for a job it does not know: lost
+            return _STATES[
+                _jobs_api(lambda: self.client.get_job_status(self.submission_id(job_id)))
+            ]
+        except _NoSuchJob:
             return JobState.LOST
 
     def cancel(self, job_id: int) -> None:
-        with contextlib.suppress(RuntimeError):  # already gone: nothing left to stop
-            self.client.stop_job(self.submission_id(job_id))
+        with contextlib.suppress(_NoSuchJob):  # nothing left to stop
+            _jobs_api(lambda: self.client.stop_job(self.submission_id(job_id)))
 
     @property
     def dashboard_url(self) -> str:
         return self.connection.dashboard_url
 
     def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
-        return {job_id: self.status(job_id) for job_id in job_ids}
+        states = {}
+        for job_id in job_ids:
+            try:
+                states[job_id] = self.status(job_id)
+            except OrchestratorUnavailable:
+                continue
+        return states
 
     def logs(self, job_id: int) -> str:
-        return self.client.get_job_logs(self.submission_id(job_id))
+        return _jobs_api(lambda: self.client.get_job_logs(self.submission_id(job_id)))
 
 
 def namespace(database_url: str) -> str:
@@ -98,21 +200,28 @@ def namespace(database_url: str) -> str:
 
 
 def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
-    """Connect to the configured Ray cluster, or the local head (started if none answers);
-    jobs' runners will report to ``control_url``. A local head outlives the service on
-    purpose: running jobs carry on across a restart and are reconciled when it comes back
-    (``ray stop`` ends it)."""
+    """The orchestrator of the configured Ray cluster, or of the local head on
+    ``DPTUNE_RAY_DASHBOARD_PORT`` (started by :meth:`RayOrchestrator.check` when none answers);
+    jobs' runners will report to ``control_url``. Nothing is contacted here: the service
+    starts, degraded, while Ray is down. A local head outlives the service on purpose: running
+    jobs carry on across a restart and are reconciled when it comes back (``ray stop`` ends
+    it)."""
+    address = settings.ray_address
+    if address is not None and not address.startswith(("http://", "https://")):
+        raise StartupError(
+            "dptune: DPTUNE_RAY_ADDRESS must be the URL of the Ray dashboard (Jobs API), "
+            "e.g. http://ray-head:8265"
+        )
     settings.data_path.mkdir(parents=True, exist_ok=True)
-    connection = connect(
-        settings.data_path,
-        settings.ray_address,
-        settings.ray_dashboard_port,
-        settings.ray_num_cpus,
-        settings.ray_num_gpus,
+    local_head = (
+        None
+        if address
+        else LocalHead(settings.ray_dashboard_port, settings.ray_num_cpus, settings.ray_num_gpus)
     )
     return RayOrchestrator(
-        connection,
+        connection_to(settings.data_path, address, settings.ray_dashboard_port),
         settings.control_url or control_url,
         settings.data_path,
         namespace(settings.sqlalchemy_url),
+        local_head,
     )

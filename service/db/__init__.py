@@ -1,6 +1,6 @@
-"""Database: typed models, engine set-up, migrations and the budget lock."""
+"""Database: typed models, engine set-up, the schema (Alembic only) and the budget lock."""
 
-from service.db.engine import begin_write, create_db_engine, locked_dataset, upgrade
+from service.db.engine import begin_write, create_db_engine, locked_dataset
 from service.db.models import (
     ApiKey,
     Artifact,
@@ -11,6 +11,7 @@ from service.db.models import (
     Trial,
     TrialAttempt,
 )
+from service.db.schema import current_revision, ensure_schema, head_revision, upgrade
 
 __all__ = [
     "ApiKey",
@@ -23,6 +24,9 @@ __all__ = [
     "TrialAttempt",
     "begin_write",
     "create_db_engine",
+    "current_revision",
+    "ensure_schema",
+    "head_revision",
     "locked_dataset",
     "upgrade",
 ]

@@ -1,4 +1,4 @@
-"""Engine set-up, migrations at start-up, and the lock that serialises budget changes.
+"""Engine set-up and the lock that serialises budget changes.
 
 SQLite: pysqlite's own transaction handling is disabled and we emit ``BEGIN`` ourselves
 (SQLAlchemy docs, "Serializable isolation / Savepoints / Transactional DDL" for pysqlite), so
@@ -9,24 +9,55 @@ PostgreSQL: the same transaction locks the dataset row with ``SELECT … FOR UPD
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy import URL, Engine, create_engine, event, make_url, select
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
 
 from service.db.models import Dataset
+from service.settings import StartupError
 
-_IMMEDIATE = "dptune_sqlite_immediate"
-MIGRATIONS = Path(__file__).parent / "migrations"
+IMMEDIATE = "dptune_sqlite_immediate"
+"""Execution option: on SQLite, a transaction on this connection begins ``IMMEDIATE``."""
+
+POOL_SIZE = 40
+"""Connections per process, and requests the API serves at once (``service.api.limits.InFlight``):
+each request holds at most one, so none waits for a connection. Under load, SQLAlchemy's default
+pool (5 + 10) ran dry — requests queued on the budget lock held the connections — and requests
+failed after its 30 s timeout (HTTP 500), some after their job was admitted
+(bench/service_load.py). 40 is also anyio's default number of worker threads."""
+POOL = {"pool_size": POOL_SIZE, "max_overflow": 10}  # overflow: the poller, health checks
 
 
 def create_db_engine(url: str) -> Engine:
-    if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+    """The engine for ``DPTUNE_DATABASE_URL``; a URL that is malformed or names a dialect or
+    driver that is not installed is a :class:`StartupError` that never shows the password."""
+    parsed = _parse(url)
+    try:
+        return _create(parsed)
+    except (ArgumentError, ImportError) as err:
+        raise StartupError(
+            f"dptune: cannot use DPTUNE_DATABASE_URL={redact(parsed)}: {scrub(str(err), parsed)}"
+            " (PostgreSQL needs pip install 'dptune[postgres]')"
+        ) from None
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except (ArgumentError, ValueError):
+        # the error text quotes the URL, password included: say nothing more than this
+        raise StartupError(
+            "dptune: DPTUNE_DATABASE_URL is not a database URL "
+            "(postgresql+psycopg://user:password@host:5432/dbname or sqlite:///path/dptune.db)"
+        ) from None
+
+
+def _create(url: URL) -> Engine:
+    if url.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True, **POOL)
+    engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False}, **POOL)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -38,10 +69,22 @@ def create_db_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        immediate = connection.get_execution_options().get(_IMMEDIATE, False)
+        immediate = connection.get_execution_options().get(IMMEDIATE, False)
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def redact(url: URL) -> str:
+    """The URL as an operator may see it in a message or a log: the password as ``***``."""
+    return url.render_as_string(hide_password=True)
+
+
+def scrub(text: str, url: URL) -> str:
+    """A driver's error message on one line, with the URL's password (should it quote it)
+    replaced by ``***``."""
+    line = " ".join(text.split())
+    return line.replace(url.password, "***") if url.password else line
 
 
 def begin_write(session: Session) -> None:
@@ -55,7 +98,7 @@ def begin_write(session: Session) -> None:
     if session.new or session.dirty or session.deleted:
         raise RuntimeError("begin_write: the session has unflushed changes")
     session.commit()
-    session.connection(execution_options={_IMMEDIATE: True})
+    session.connection(execution_options={IMMEDIATE: True})
 
 
 def locked_dataset(session: Session, dataset_id: int) -> Dataset | None:
@@ -63,12 +106,3 @@ def locked_dataset(session: Session, dataset_id: int) -> Dataset | None:
     begin_write(session)
     query = select(Dataset).where(Dataset.id == dataset_id).with_for_update()
     return session.execute(query).scalar_one_or_none()
-
-
-def upgrade(engine: Engine) -> None:
-    """Bring the schema to the newest migration (``alembic upgrade head``)."""
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, "head")

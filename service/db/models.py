@@ -79,6 +79,10 @@ class ApiKey(Base):
 
 
 class Dataset(Base):
+    """A registered dataset and its lifetime budget. One announced for upload awaits its data
+    (``PUT /v1/datasets/{id}/data``) with ``n`` = 0, no shape and no content hash: no job can
+    use it. Registered data always has examples (``workers.data.check`` refuses none)."""
+
     __tablename__ = "dataset"
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -92,9 +96,14 @@ class Dataset(Base):
     epsilon: Mapped[float] = mapped_column(Float)  # lifetime budget
     delta: Mapped[float] = mapped_column(Float)
     #: SHA-256 of the data at registration: trials refuse data that changed since (the plan's
-    #: q = B/N and T were computed from the registered N)
+    #: q = B/N and T were computed from the registered N); empty while awaiting an upload
     content_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
+
+    @property
+    def awaiting_data(self) -> bool:
+        """Announced for upload, its file not received yet."""
+        return self.n == 0
 
 
 class Job(Base):
@@ -157,6 +166,8 @@ class TrialAttempt(Base):
     number: Mapped[int]
     steps: Mapped[int | None]
     status: Mapped[str] = mapped_column(String(16), default="running")
+    #: the Ray node id the attempt ran on (operator-only: where trials ran can tell their count)
+    node: Mapped[str | None] = mapped_column(String(64))
     started_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(Timestamp())
 

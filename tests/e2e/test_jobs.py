@@ -143,8 +143,12 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     assert crashed["epsilon"] == pytest.approx(composed_trials(job["plan"], 2), rel=1e-9)
     for trial in trials:
         assert len(trial["thresholds"]) == job["plan"]["steps"]
+    ran = [a for t in trials for a in t["attempts"]]
+    assert all(a["status"] != "running" and a["ended_at"] for a in ran)  # none left open
+    assert len({a["node"] for a in ran}) == 1 and ran[0]["node"]  # the session's one node
+    # the ledger: one charge per attempt that touched data, the dead one included
     budget = service.get(f"/v1/datasets/{digits}/budget")
-    assert len(charged(budget)) == 3
+    assert len(charged(budget)) == len(ran) == 3
     assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 3), rel=1e-9)
     assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
 

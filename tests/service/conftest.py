@@ -1,19 +1,17 @@
-"""Fixtures: the API on a real SQLite file in tmp_path, keys, a registered dataset.
+"""Fixtures: the API on a real database (a SQLite file in tmp_path, and PostgreSQL), keys, a
+registered dataset.
 
 (Tests run with --import-mode=importlib, so helpers are handed out as fixtures.)
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, make_url
 
 from service.api import create_app
 from service.settings import Settings
@@ -76,22 +74,14 @@ def make_spec(dataset: int, epsilon: float = 1.0, **privacy: Any) -> dict[str, A
     }
 
 
-@pytest.fixture
-def database_url() -> Iterator[str | None]:
-    """None: the default SQLite file. With ``DPTUNE_TEST_POSTGRES_URL`` (a PostgreSQL server
-    URL, ``postgresql+psycopg://user@host/postgres``) each test gets a fresh database there."""
-    server = os.environ.get("DPTUNE_TEST_POSTGRES_URL")
-    if server is None:
-        yield None
-        return
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    name = f"dptune_test_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    yield make_url(server).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE {name} WITH (FORCE)")
-    admin.dispose()
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request) -> str | None:
+    """Every test that starts the service runs on both databases: ``sqlite`` (None: the
+    default file in ``data_dir``) and ``postgresql`` (a fresh database on the server of
+    ``DPTUNE_TEST_POSTGRES_URL``, dropped after the test; skipped without one)."""
+    if request.param == "sqlite":
+        return None
+    return request.getfixturevalue("postgres_database")()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ def test_serve_command(monkeypatch):
 
     monkeypatch.setattr("service.cli.serve.ray_orchestrator", orchestrator)
     monkeypatch.setattr(
-        "service.cli.serve.uvicorn.run",
+        "service.cli.serve.run",
         lambda app, host, port: calls.append((type(app).__name__, host, port)),
     )
     app = typer.Typer()

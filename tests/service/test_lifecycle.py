@@ -24,7 +24,11 @@ def opacus_epsilon(
 
 
 def test_health_and_auth(client, api):
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {
+        "status": "ok",
+        "database": "ok",
+        "ray": {"reachable": None, "error": None},  # this app polls no orchestrator
+    }
     assert client.get("/v1/datasets").status_code == 401
     r = client.get("/v1/datasets", headers={"Authorization": "Bearer not-a-key"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"

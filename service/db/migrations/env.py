@@ -1,6 +1,6 @@
-"""Alembic environment. The service runs migrations itself at start-up
-(:func:`service.db.upgrade`), passing its connection in ``config.attributes``; the
-``alembic`` command line works too, with ``-x url=<database url>``."""
+"""Alembic environment. dptune runs the migrations itself (:mod:`service.db.schema`: at
+start on an empty database, and ``dptune db upgrade``), passing its connection in
+``config.attributes``; the ``alembic`` command line works too, with ``-x url=<database url>``."""
 
 from alembic import context
 from sqlalchemy import Connection, create_engine

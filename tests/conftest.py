@@ -1,0 +1,56 @@
+"""Fixtures every test directory may use: the PostgreSQL server of the tests.
+
+(Tests run with --import-mode=importlib, so helpers are handed out as fixtures.)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import create_engine, make_url
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """The URL of a PostgreSQL server whose role may create databases, from
+    ``DPTUNE_TEST_POSTGRES_URL`` (``postgresql+psycopg://postgres:postgres@127.0.0.1/postgres``;
+    ``.ci/postgres.sh`` sets one up). Unset: the test is skipped, or fails when
+    ``DPTUNE_REQUIRE_POSTGRES=1`` (CI). Set but unreachable: it fails."""
+    url = os.environ.get("DPTUNE_TEST_POSTGRES_URL")
+    if not url:
+        reason = "PostgreSQL: set DPTUNE_TEST_POSTGRES_URL (see .ci/postgres.sh)"
+        if os.environ.get("DPTUNE_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"DPTUNE_REQUIRE_POSTGRES=1 but no server. {reason}", pytrace=False)
+        pytest.skip(reason)
+    try:
+        engine = create_engine(url)
+        with engine.connect():
+            pass
+        engine.dispose()
+    except Exception as err:
+        pytest.fail(f"DPTUNE_TEST_POSTGRES_URL: cannot connect: {err}", pytrace=False)
+    return url
+
+
+@pytest.fixture
+def postgres_database(postgres_server) -> Iterator[Callable[[], str]]:
+    """Creates fresh databases on the test server (``make()`` returns a URL) and drops them
+    after the test, whoever is still connected."""
+    admin = create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    names: list[str] = []
+
+    def make() -> str:
+        name = f"dptune_test_{uuid.uuid4().hex[:12]}"
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+        names.append(name)
+        return make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
+
+    yield make
+    with admin.connect() as conn:
+        for name in names:
+            conn.exec_driver_sql(f"DROP DATABASE {name} WITH (FORCE)")
+    admin.dispose()
