@@ -8,9 +8,19 @@ error naming the field, never a silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+import keyword
+import re
+from typing import Annotated, Literal, Self, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 ClippingFunction = Literal["abadi", "auto_s", "auto_v"]
 ClippingStyle = Literal["all_layer", "layer_wise", "param_wise", "groups"]
@@ -25,26 +35,105 @@ class Strict(BaseModel):
 
 
 class DatasetConfig(Strict):
-    """``source`` is ``builtin:digits``, ``builtin:mnist1d``, ``builtin:heavy_tail`` or
-    ``npz:<path>``; ``options`` are passed to the dataset builder (e.g. ``scale`` for
-    ``heavy_tail``).
+    """``source`` is ``builtin:digits``, ``builtin:mnist1d``, ``builtin:heavy_tail`` or a file:
+    ``npz:<path>``, ``csv:<path>``, ``parquet:<path>``; ``options`` are passed to the dataset
+    builder (e.g. ``scale`` for ``heavy_tail``; ``label`` and ``features``, the columns of a
+    table).
 
     ``num_classes`` declares the label set {0, …, num_classes − 1}: it sizes the model's
-    output and is public, so it must not be read off private labels (required for ``npz``;
+    output and is public, so it must not be read off private labels (required for files;
     the builtins' class counts are part of their definition). ``sha256`` is the content hash
     recorded when the control plane registered the dataset: a trial refuses data that
     changed since, because its privacy cost (q = B/N, T) was planned from the registered N.
     """
 
-    source: str = Field(pattern=r"^(builtin:(digits|mnist1d|heavy_tail)|npz:.+)$")
-    options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    source: str = Field(pattern=r"^(builtin:(digits|mnist1d|heavy_tail)|(npz|csv|parquet):.+)$")
+    options: dict[str, float | int | str | bool | list[str]] = Field(default_factory=dict)
     num_classes: int | None = Field(None, ge=2, le=100_000)
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
+#: ``package.module:factory``: a model factory the operator installed on the workers
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*$")
+#: arguments every factory receives; options may not name them
+FACTORY_ARGUMENTS = ("input_shape", "num_classes")
+
+
+def _model_name(name: str) -> str:
+    if name in get_args(ModelName) or IMPORT_PATH.fullmatch(name):
+        return name
+    raise ValueError(
+        f"{name!r} is neither a built-in model ({', '.join(get_args(ModelName))}) nor an import "
+        "path 'package.module:factory'"
+    )
+
+
 class ModelConfig(Strict):
-    name: ModelName
+    """A built-in model (``workers.models.builtin``) or a factory by import path
+    (``package.module:factory``, a public callable defined in that module), called as
+    ``factory(input_shape=(C, H, W), num_classes=K, **options)``; the control plane admits only
+    factories in the operator's allow-list (``DPTUNE_MODEL_IMPORTS``)."""
+
+    name: Annotated[
+        str,
+        AfterValidator(_model_name),
+        Field(
+            max_length=200,
+            description=f"a built-in model ({', '.join(get_args(ModelName))}) or an allow-listed "
+            "factory 'package.module:factory'",
+        ),
+    ]
     options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+    @property
+    def factory(self) -> tuple[str, str] | None:
+        """(module, attribute) of an imported factory; None for a built-in model."""
+        if ":" not in self.name:
+            return None
+        module, attribute = self.name.split(":")
+        return module, attribute
+
+    @model_validator(mode="after")
+    def _keyword_options(self) -> Self:
+        if self.factory is None:
+            return self
+        for key in self.options:
+            if not key.isidentifier() or keyword.iskeyword(key) or key in FACTORY_ARGUMENTS:
+                raise ValueError(
+                    f"model.options.{key}: not usable as a keyword argument of the factory"
+                    + (" (the engine passes it)" if key in FACTORY_ARGUMENTS else "")
+                )
+        return self
+
+
+class LayerRoute(Strict):
+    """One module of an inspected model: its dotted name (``""``: the model itself), its
+    class, and why it is on the general path or refused."""
+
+    module: str
+    type: str
+    reason: str | None = None
+
+
+class ModelReport(Strict):
+    """What inspecting a model found (``workers.models.inspect``), for the input shape and
+    label count it was built with and the job's per-sample path: its size, which modules'
+    parameters take the fast path (ghost clipping, ``workers.dp.ghost``) or the general one
+    (``torch.func``), and what makes it unfit for DP-SGD. A model with refusals never trains."""
+
+    input_shape: list[int]
+    num_classes: int
+    per_sample: PerSamplePath
+    parameters: int
+    trainable: int
+    fast: list[LayerRoute]
+    general: list[LayerRoute]
+    refused: list[LayerRoute]
+
+    @property
+    def reason(self) -> str:
+        """Every refusal in one line (empty when the model is accepted)."""
+        return "; ".join(f"{r.module or '<model>'} ({r.type}): {r.reason}" for r in self.refused)
 
 
 class AdaptiveConfig(Strict):

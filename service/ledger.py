@@ -123,6 +123,30 @@ def _outstanding(entries: list[LedgerEntry]) -> list[np.ndarray]:
     return [np.maximum(vec, 0) for vec in per_job.values()]
 
 
+def running_totals(entries: list[LedgerEntry], delta: float) -> list[tuple[float, float]]:
+    """(spent, committed) ε of the ledger up to and including each row, in the rows' order:
+    the budget as it stood after each row was written, composed as :func:`budget` composes
+    the whole ledger (its last pair is ``budget``'s ``spent`` and ``committed``)."""
+    charges = np.zeros(_N + 2)
+    per_job: dict[int | None, np.ndarray] = defaultdict(lambda: np.zeros(_N + 2))
+    totals = []
+    for e in entries:
+        vec = entry_amount(e)
+        if e.kind == "charge":
+            charges = charges + vec
+        per_job[e.job_id] = per_job[e.job_id] + (1 if e.kind == "reservation" else -1) * vec
+        outstanding = np.sum([np.maximum(v, 0) for v in per_job.values()], axis=0)
+        totals.append((_epsilon([charges], delta), _epsilon([charges, outstanding], delta)))
+    return totals
+
+
+def job_charged(session: Session, job: Job) -> float:
+    """ε of the job's charges, composed and stated at the job's own δ (comparable with its
+    plan's ε): what the job has cost so far."""
+    query = select(LedgerEntry).where(LedgerEntry.job_id == job.id, LedgerEntry.kind == "charge")
+    return _epsilon([entry_amount(e) for e in session.execute(query).scalars()], job.plan["delta"])
+
+
 def entry_epsilon(entry: LedgerEntry, delta: float) -> float:
     """One row's own ε at the dataset's δ (for display; totals are composed, not summed)."""
     return _epsilon([entry_amount(entry)], delta)

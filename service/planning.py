@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from core import accounting
+from core.config import ModelReport
 from core.noise import gradient_noise
 from core.sampling import num_steps
 from core.spec import MAX_TRIALS, JobSpec, Privacy
@@ -67,6 +68,7 @@ class Plan(BaseModel):
     delta: float  # ... at this δ
     method: accounting.TuningMethod  # how the trials are charged: kind and parameters
     defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
+    model: ModelReport | None = None  # an imported model's inspection (service.own_models)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ class PlannedJob:
 def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     """Plan ``spec`` on ``dataset``. ``session`` reads the dataset's ledger: an lt job's default
     δ is a share of the δ that (ε, δ) charges do not hold yet."""
+    if dataset.awaiting_data:
+        raise PlanError(
+            "dataset", f"dataset {dataset.id} awaits its data (uploaded by the operator)"
+        )
     privacy = spec.privacy
     delta, defaults = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:

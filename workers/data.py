@@ -1,24 +1,30 @@
 """Datasets of a trial (no downloads). Each knows its size N, its classes, its splits and
 which of them are public: the training split is always private; a validation split is public
 when the dataset declares it so (the builtin benchmarks' held-out splits, treated as public
-like paper 001's test sets; an ``.npz`` file's ``x_val``/``y_val``). Private validation data is
-carved out of the private training data by :func:`hold_out`."""
+like paper 001's test sets; an ``.npz`` file's ``x_val``/``y_val``; a CSV or Parquet table has
+none). Private validation data is carved out of the private training data by
+:func:`hold_out`."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from zipfile import BadZipFile
 
 import numpy as np
+import pandas as pd
 import torch
+from pyarrow import ArrowException
 from torch import Tensor
 
 from core.config import DatasetConfig
 from workers.dp.randomness import SecureStream
 
-Options = dict[str, float | int | str | bool]
+Options = dict[str, float | int | str | bool | list[str]]
 
 
 @dataclass(frozen=True)
@@ -132,24 +138,19 @@ def heavy_tail(options: Options) -> Dataset:
     return Dataset("heavy_tail", x, y, len(per_class), class_group=class_group)
 
 
-def npz(path: str, num_classes: int | None) -> Dataset:
-    """A user file with ``x``, ``y`` (private) and optional ``x_val``, ``y_val`` (public); the
-    label set {0, …, ``num_classes`` − 1} is declared, never read off the private labels."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"dataset.source: no such file {path!r}")
-    if num_classes is None:
-        raise ValueError(
-            "dataset.num_classes: required for npz datasets (the label set is "
-            "declared, not read from private data)"
-        )
-    with np.load(file, allow_pickle=False) as raw:
-        arrays = {k: raw[k] for k in raw.files}
+def npz(path: Path, num_classes: int) -> Dataset:
+    """A user file with ``x``, ``y`` (private) and optional ``x_val``, ``y_val`` (public)."""
+    with _reading("npz"):
+        raw = np.load(path, allow_pickle=False)
+        if not isinstance(raw, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with raw:
+            arrays = {k: raw[k] for k in raw.files}
     for key in ("x", "y"):
         if key not in arrays:
-            raise ValueError(f"dataset.source: {path!r} has no array {key!r}")
+            raise ValueError(f"dataset.source: the file has no array {key!r}")
     if ("x_val" in arrays) != ("y_val" in arrays):
-        raise ValueError(f"dataset.source: {path!r} needs both x_val and y_val, or neither")
+        raise ValueError("dataset.source: the file needs both x_val and y_val, or neither")
     for key, x, y in [
         ("y", arrays["x"], arrays["y"]),
         ("y_val", arrays.get("x_val"), arrays.get("y_val")),
@@ -162,7 +163,7 @@ def npz(path: str, num_classes: int | None) -> Dataset:
             )
     x_val = arrays.get("x_val")
     return Dataset(
-        file.stem,
+        path.stem,
         torch.tensor(arrays["x"], dtype=torch.float32),
         torch.tensor(arrays["y"], dtype=torch.long),
         num_classes,
@@ -172,17 +173,120 @@ def npz(path: str, num_classes: int | None) -> Dataset:
     )
 
 
+def table(frame: pd.DataFrame, label: str, features: list[str] | None) -> tuple[Tensor, Tensor]:
+    """Inputs and labels of a CSV or Parquet table, one example per row: the ``label`` column
+    holds integer labels, the ``features`` columns (default: all the others) numbers, an
+    example's input is the vector of its features. Rows count from 0 without the header, as
+    ``x[i]`` and ``y[i]`` do."""
+    if frame.empty:  # before the column types, which an empty column does not have
+        raise ValueError("dataset.source: the data has no examples")
+    features = features or [str(c) for c in frame.columns if c != label]
+    for field, column in [("label", label), *(("features", c) for c in features)]:
+        if column not in frame.columns:
+            raise ValueError(
+                f"dataset.options.{field}: no column {column!r} (the file has "
+                f"{[str(c) for c in frame.columns]})"
+            )
+    if not features:
+        raise ValueError("dataset.options.features: the file has no column besides the label")
+    for column in features:
+        if not pd.api.types.is_numeric_dtype(frame[column]):
+            raise ValueError(
+                f"dataset.options.features: column {column!r} is not numeric "
+                f"({_first_bad(frame[column], 'x', integral=False)})"
+            )
+    labels = frame[label]
+    if not pd.api.types.is_integer_dtype(labels) or labels.isna().any():
+        raise ValueError(
+            f"dataset.options.label: column {label!r} must hold integer labels "
+            f"({_first_bad(labels, 'y', integral=True)})"
+        )
+    x = frame[features].to_numpy(dtype=np.float64, na_value=np.nan)
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(labels.to_numpy(dtype=np.int64))
+
+
+def _first_bad(values: pd.Series, name: str, integral: bool) -> str:
+    """The first value of ``values`` that is no number (no integer if ``integral``), or, when
+    each one is, the column's type."""
+    numbers = pd.to_numeric(values, errors="coerce")
+    bad = numbers.isna()
+    if integral:
+        bad |= numbers.fillna(0) % 1 != 0
+    if bad.any():
+        row = int(bad.to_numpy().argmax())
+        value = values.iloc[row]
+        return f"{name}[{row}] is {value.item() if isinstance(value, np.generic) else value!r}"
+    return f"its type is {values.dtype}"
+
+
+def table_file(kind: str, path: Path, options: Options, num_classes: int) -> Dataset:
+    """A CSV file with a header row, or a Parquet file, as :func:`table` reads it."""
+    with _reading(kind):
+        frame = pd.read_csv(path) if kind == "csv" else pd.read_parquet(path)
+    features = options.get("features")
+    x, y = table(frame, str(options["label"]), features if isinstance(features, list) else None)
+    return Dataset(path.stem, x, y, num_classes)
+
+
+@contextmanager
+def _reading(kind: str) -> Iterator[None]:
+    """A file that does not parse as ``kind`` is a ``dataset.source`` error, whatever its
+    parser raises for it (pandas, pyarrow, numpy or zipfile)."""
+    try:
+        yield
+    except (ValueError, OSError, EOFError, BadZipFile, ArrowException) as error:
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise ValueError(f"dataset.source: not a readable {kind} file ({reason})") from None
+
+
 BUILTINS = {"digits": digits, "mnist1d": mnist1d, "heavy_tail": heavy_tail}
+#: file formats, by the ``source`` prefix that names them (``csv:<path under DATA_DIR>``)
+FILE_FORMATS = ("npz", "csv", "parquet")
+
+
+def declared(kind: str, options: Options, num_classes: int | None) -> int:
+    """Check what a file dataset declares before its file is read (also when an upload is
+    announced): the options of its format, and the label set {0, …, ``num_classes`` − 1},
+    which is public, so it is declared, never read off the private labels."""
+    if kind == "npz":
+        _options(options, {})
+    else:
+        _options(options, {"label": str, "features": list})
+        if "label" not in options:
+            raise ValueError(f"dataset.options.label: required for {kind} datasets")
+        features = options.get("features")
+        if isinstance(features, list) and (
+            not features
+            or not all(isinstance(f, str) for f in features)
+            or len(set(features)) != len(features)
+            or options["label"] in features
+        ):
+            raise ValueError(
+                "dataset.options.features: a list of distinct column names, without the label"
+            )
+    if num_classes is None:
+        raise ValueError(
+            f"dataset.num_classes: required for {kind} datasets (the label set is "
+            "declared, not read from private data)"
+        )
+    return num_classes
 
 
 def load_dataset(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
-    """Build the dataset of ``cfg`` and check it (:func:`check`); a relative ``npz:`` path is
-    resolved against ``data_dir`` (the service's DATA_DIR) when given."""
+    """Build the dataset of ``cfg`` and check it (:func:`check`): registration, uploads and
+    every trial read data through here. A relative file path is resolved against ``data_dir``
+    (the service's DATA_DIR) when given."""
     kind, _, name = cfg.source.partition(":")
-    if kind == "npz":
-        if cfg.options:
-            raise ValueError("dataset.options: .npz datasets take no options")
-        dataset = npz(str(data_dir / name) if data_dir else name, cfg.num_classes)
+    if kind in FILE_FORMATS:
+        path = data_dir / name if data_dir else Path(name)
+        if not path.is_file():
+            raise ValueError(f"dataset.source: no such file {name!r}")
+        num_classes = declared(kind, cfg.options, cfg.num_classes)
+        dataset = (
+            npz(path, num_classes)
+            if kind == "npz"
+            else table_file(kind, path, cfg.options, num_classes)
+        )
     else:
         dataset = BUILTINS[name](cfg.options)
         if cfg.num_classes not in (None, dataset.num_classes):
@@ -208,6 +312,8 @@ def check(dataset: Dataset) -> None:
     """docs/design.md, invariant 9: refuse non-finite features (a NaN or inf record would otherwise
     reach the clipper — values beyond float32's range are inf once converted) and labels
     outside the declared label set, naming the array and its first offending row."""
+    if dataset.size == 0:
+        raise ValueError("dataset.source: the data has no examples")
     for key, x, y in [("x", dataset.x, dataset.y), ("x_val", dataset.x_val, dataset.y_val)]:
         if x is None or y is None:
             continue

@@ -1,24 +1,42 @@
-"""Datasets and their budgets."""
+"""Datasets and their budgets; uploads of their files.
+
+An operator registers a dataset from a builtin, from a file under DATA_DIR (``npz:``,
+``csv:``, ``parquet:``), or announces one for upload (``"source": "upload"`` and a
+``format``): it awaits its data, no job can use it, until ``PUT /v1/datasets/{id}/data``
+streams the file to ``DATA_DIR/uploads/<id>.<format>``. The file is read and checked
+(:func:`workers.data.load_dataset`, as every trial reads it) before it is moved into place
+and its size and content hash recorded; a file that fails leaves nothing behind.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Annotated, Any, Literal, Self
 
-from fastapi import APIRouter, status
-from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import select, update
+from sqlalchemy.orm import sessionmaker
 
 from core.spec import Scalar
 from service import ledger, visibility
-from service.api.deps import Caller, Operator, SessionDep, SettingsDep, visible_dataset
-from service.api.errors import field_error
-from service.db import Dataset
+from service.api.deps import Caller, Id, Operator, SessionDep, SettingsDep, visible_dataset
+from service.api.errors import COMMON, field_error, responses
+from service.db import Dataset, begin_write
 
-router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=COMMON)
 
-SOURCE = r"^(builtin:(digits|mnist1d|heavy_tail)|npz:[^\x00]{1,250})$"
+SOURCE = r"^(builtin:(digits|mnist1d|heavy_tail)|(npz|csv|parquet):[^\x00]{1,250}|upload)$"
+#: where uploaded files are kept, under DATA_DIR; file registrations may not point into it
+UPLOADS = "uploads"
+#: request paths of dataset uploads: their bodies are streamed (service.api.limits)
+UPLOAD_PATHS = r"/v1/datasets/\d+/data"
+Column = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class DatasetIn(BaseModel):
@@ -27,20 +45,35 @@ class DatasetIn(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[\w.-]+$")
     source: str = Field(
         pattern=SOURCE,
-        description="builtin:digits, builtin:mnist1d, "
-        "builtin:heavy_tail or npz:<file under DATA_DIR>",
+        description="builtin:digits, builtin:mnist1d, builtin:heavy_tail, a file under "
+        "DATA_DIR (npz:<path>, csv:<path>, parquet:<path>), or upload: the file follows with "
+        "PUT /v1/datasets/{id}/data",
     )
-    options: dict[str, Scalar] = Field(default_factory=dict, max_length=20)
+    format: Literal["npz", "csv", "parquet"] | None = Field(
+        None, description="the file format of an upload (source 'upload' only)"
+    )
+    options: dict[str, Scalar | list[Column]] = Field(
+        default_factory=dict,
+        max_length=20,
+        description="csv and parquet: label (the label column, required) and features "
+        "(the input columns; default: all the others)",
+    )
     num_classes: int | None = Field(
         None,
         ge=2,
         le=100_000,
         description="the declared label set {0, …, num_classes − 1}: "
-        "required for npz files (it is public, so it is not read off the private labels); "
+        "required for files (it is public, so it is not read off the private labels); "
         "optional for builtins, which must then match",
     )
     epsilon: float = Field(gt=0, le=100, description="lifetime budget ε")
     delta: float = Field(gt=0, lt=1, description="lifetime budget δ")
+
+    @model_validator(mode="after")
+    def _format_of_uploads(self) -> Self:
+        if (self.source == "upload") != (self.format is not None):
+            raise ValueError("format: required exactly when source is 'upload'")
+        return self
 
 
 class DatasetOut(BaseModel):
@@ -52,11 +85,22 @@ class DatasetOut(BaseModel):
     num_classes: int
     input_shape: list[int]
     public_validation: bool
+    awaiting_data: bool = Field(
+        description="announced for upload, its file not received yet (n = 0): no job can use it"
+    )
     epsilon: float
     delta: float
     source: str | None = None
     options: dict[str, Any] | None = None
     created_at: datetime | None = None
+
+
+class UploadOut(DatasetOut):
+    """The dataset as registered from its upload, and a receipt of the bytes received (compare
+    ``file_sha256`` with ``sha256sum`` of the file sent)."""
+
+    file_bytes: int
+    file_sha256: str
 
 
 class EntryOut(BaseModel):
@@ -95,30 +139,70 @@ def dataset_out(dataset: Dataset, operator: bool) -> DatasetOut:
 
 
 def _check_source(source: str, data_dir: Path) -> None:
-    """``npz:`` paths are relative to DATA_DIR and must stay inside it."""
-    if not source.startswith("npz:"):
+    """File paths are relative to DATA_DIR and must stay inside it, out of ``uploads/``."""
+    kind, _, name = source.partition(":")
+    if kind not in ("npz", "csv", "parquet"):
         return
-    relative = Path(source.removeprefix("npz:"))
-    if relative.is_absolute() or not (data_dir / relative).resolve().is_relative_to(data_dir):
-        raise field_error("source", "npz path must be a file under DATA_DIR")
+    relative = Path(name)
+    resolved = (data_dir / relative).resolve()
+    if relative.is_absolute() or not resolved.is_relative_to(data_dir):
+        raise field_error("source", f"{kind} path must be a file under DATA_DIR")
+    if resolved.is_relative_to(data_dir / UPLOADS):
+        raise field_error("source", f"{UPLOADS}/ holds uploaded datasets: upload the file")
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+def _load_error(error: Exception, field: str, what: str) -> HTTPException:
+    """A loader's ``dataset.<field>: reason`` as a 422 naming the option or label set at fault,
+    or else ``field`` (the source, or the uploaded body)."""
+    named, _, reason = str(error).removeprefix("dataset.").partition(": ")
+    if (named.startswith("options.") or named == "num_classes") and reason:
+        return field_error(named, reason)
+    return field_error(field, f"cannot load {what}: {reason or error}")
+
+
+def _claim_name(session: SessionDep, name: str) -> None:
+    """Begin the registration's write transaction (so that a concurrent writer cannot make it
+    fail with "database is locked" on SQLite) and check that the name is free within it."""
+    begin_write(session)
+    if session.execute(select(Dataset.id).where(Dataset.name == name)).first():
+        raise field_error("name", f"a dataset named {name!r} exists", 409)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=responses(403, 409))
 def register(
     body: DatasetIn, session: SessionDep, settings: SettingsDep, _: Operator
 ) -> DatasetOut:
-    from workers.data import describe  # loads torch: only when a dataset is registered
+    from workers.data import declared, describe  # loads torch: only when a dataset is registered
 
     _check_source(body.source, settings.data_path)
-    if session.execute(select(Dataset.id).where(Dataset.name == body.name)).first():
-        raise field_error("name", f"a dataset named {body.name!r} exists", 409)
+    if body.format is not None:  # announced for upload: registered without data
+        try:
+            declared(body.format, body.options, body.num_classes)
+        except ValueError as error:
+            raise _load_error(error, "options", body.format) from None
+        _claim_name(session, body.name)
+        dataset = Dataset(
+            name=body.name,
+            source=body.source,
+            options=body.options,
+            n=0,
+            num_classes=body.num_classes,
+            input_shape=[],
+            public_validation=False,
+            epsilon=body.epsilon,
+            delta=body.delta,
+            content_sha256="",
+        )
+        session.add(dataset)
+        session.flush()
+        dataset.source = f"{body.format}:{UPLOADS}/{dataset.id}.{body.format}"
+        session.commit()
+        return dataset_out(dataset, operator=True)
     try:
         info = describe(body.source, settings.data_path, body.options, body.num_classes)
     except (ValueError, OSError, KeyError) as error:
-        named, _, reason = str(error).removeprefix("dataset.").partition(": ")
-        if (named.startswith("options.") or named == "num_classes") and reason:
-            raise field_error(named, reason) from None
-        raise field_error("source", f"cannot load {body.source!r}: {reason or error}") from None
+        raise _load_error(error, "source", repr(body.source)) from None
+    _claim_name(session, body.name)
     dataset = Dataset(
         name=body.name,
         source=body.source,
@@ -136,19 +220,120 @@ def register(
     return dataset_out(dataset, operator=True)
 
 
+@router.put("/{dataset_id}/data", responses=responses(403, 404, 409))
+async def upload(dataset_id: Id, request: Request, settings: SettingsDep, _: Operator) -> UploadOut:
+    """The file of a dataset announced for upload, streamed to disk (never whole in memory,
+    at most ``DPTUNE_MAX_UPLOAD_BYTES``), then read and checked as trials read it. Only a file
+    that passes is moved into place, and only once: a dataset's budget belongs to its data."""
+    from workers.data import describe  # loads torch
+
+    sessions: sessionmaker = request.app.state.sessions
+    dataset = await run_in_threadpool(_awaiting, sessions, dataset_id)
+    kind, _, name = dataset.source.partition(":")
+    target = settings.data_path / name
+    target.parent.mkdir(exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=".upload-", suffix=f".{kind}", dir=target.parent
+    )
+    partial = Path(temporary)
+    try:
+        size, sha256 = await _receive(request, os.fdopen(descriptor, "wb"))
+        if size == 0:
+            raise field_error("body", f"empty: send the {kind} file")
+        relative = partial.relative_to(settings.data_path)
+        try:
+            info = await run_in_threadpool(
+                describe,
+                f"{kind}:{relative}",
+                settings.data_path,
+                dataset.options,
+                dataset.num_classes,
+            )
+        except (ValueError, OSError, KeyError) as error:
+            raise _load_error(error, "body", f"the uploaded {kind} file") from None
+        values = {
+            "n": info.n,
+            "input_shape": list(info.input_shape),
+            "public_validation": info.public_validation,
+            "content_sha256": info.sha256,
+        }
+        await run_in_threadpool(_install, sessions, dataset, values, partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    out = dataset_out(dataset, operator=True)
+    return UploadOut(**out.model_dump(), file_bytes=size, file_sha256=sha256)
+
+
+def _awaiting(sessions: sessionmaker, dataset_id: int) -> Dataset:
+    """The dataset, if it awaits its upload: 404 if there is none, 409 if it has data."""
+    with sessions() as session:
+        dataset = session.get(Dataset, dataset_id)
+    if dataset is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"dataset {dataset_id} not found")
+    if not dataset.awaiting_data:
+        raise _has_data(dataset_id)
+    return dataset
+
+
+def _has_data(dataset_id: int) -> HTTPException:
+    return field_error(
+        "dataset",
+        f"dataset {dataset_id} has its data already: its privacy budget belongs to that "
+        "data, and replacing the data would reset the privacy accounting. Register the new "
+        "data as a new dataset.",
+        status.HTTP_409_CONFLICT,
+    )
+
+
+async def _receive(request: Request, file: IO[bytes]) -> tuple[int, str]:
+    """Write the body to ``file`` as it arrives (flushed to disk before the dataset points at
+    it); its size and SHA-256."""
+    digest, size = hashlib.sha256(), 0
+
+    def write(chunk: bytes) -> None:
+        digest.update(chunk)
+        file.write(chunk)
+
+    with file:
+        async for chunk in request.stream():
+            if chunk:
+                size += len(chunk)
+                await run_in_threadpool(write, chunk)
+        await run_in_threadpool(lambda: (file.flush(), os.fsync(file.fileno())))
+    return size, digest.hexdigest()
+
+
+def _install(
+    sessions: sessionmaker, dataset: Dataset, values: dict[str, Any], partial: Path, target: Path
+) -> None:
+    """Record the data and move its file into place, in one transaction that takes the dataset
+    only while it still awaits data: of two concurrent uploads, one wins, the other gets 409
+    and never touches the file of the first."""
+    with sessions() as session:
+        claimed = session.execute(
+            update(Dataset).where(Dataset.id == dataset.id, Dataset.n == 0).values(**values)
+        )
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            raise _has_data(dataset.id)
+        os.replace(partial, target)
+        session.commit()
+    for key, value in values.items():
+        setattr(dataset, key, value)
+
+
 @router.get("")
 def list_datasets(session: SessionDep, caller: Caller) -> list[DatasetOut]:
     datasets = session.execute(select(Dataset).order_by(Dataset.id)).scalars()
     return [dataset_out(d, caller.is_operator) for d in datasets if caller.sees_dataset(d.id)]
 
 
-@router.get("/{dataset_id}")
-def get_dataset(dataset_id: int, session: SessionDep, caller: Caller) -> DatasetOut:
+@router.get("/{dataset_id}", responses=responses(404))
+def get_dataset(dataset_id: Id, session: SessionDep, caller: Caller) -> DatasetOut:
     return dataset_out(visible_dataset(session, caller, dataset_id), caller.is_operator)
 
 
-@router.get("/{dataset_id}/budget")
-def get_budget(dataset_id: int, session: SessionDep, caller: Caller) -> BudgetOut:
+@router.get("/{dataset_id}/budget", responses=responses(404))
+def get_budget(dataset_id: Id, session: SessionDep, caller: Caller) -> BudgetOut:
     """Spent and reserved ε, composed over the whole ledger (docs/design.md, invariant 7)."""
     dataset = visible_dataset(session, caller, dataset_id)
     state = ledger.budget(session, dataset)

@@ -6,10 +6,12 @@ from fastapi import APIRouter
 
 from core.spec import JobSpec
 from service import ledger
-from service.api.deps import Caller, SessionDep, visible_dataset
-from service.planning import Plan, plan_job
+from service.api.deps import Caller, SessionDep, SettingsDep, visible_dataset
+from service.api.errors import COMMON, responses
+from service.own_models import plan_with_model
+from service.planning import Plan
 
-router = APIRouter(prefix="/v1/plans", tags=["plans"])
+router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=COMMON)
 
 
 class PlanOut(Plan):
@@ -19,10 +21,11 @@ class PlanOut(Plan):
     fits: bool
 
 
-@router.post("")
-def plan(spec: JobSpec, session: SessionDep, caller: Caller) -> PlanOut:
+@router.post("", responses=responses(404))
+def plan(spec: JobSpec, session: SessionDep, caller: Caller, settings: SettingsDep) -> PlanOut:
+    """What the job would cost, and the inspection of an imported model (``model``)."""
     dataset = visible_dataset(session, caller, spec.dataset)
-    planned = plan_job(spec, dataset, session)
+    planned = plan_with_model(spec, dataset, session, settings)
     now = ledger.budget(session, dataset)
     after = ledger.budget(session, dataset, plus=ledger.amount(planned.reservation))
     return PlanOut(

@@ -2,7 +2,7 @@
 
 import typer
 
-from service.cli import account, audit, demo, serve
+from service.cli import account, audit, db, demo, report, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -17,3 +17,5 @@ app.command()(account.account)
 app.command()(serve.serve)
 app.command()(demo.demo)
 app.command()(audit.audit)
+app.add_typer(db.app, name="db")
+app.command()(report.report)

@@ -36,6 +36,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayConnection
     with pytest.MonkeyPatch.context() as env:
         for name, value in OPERATOR_ENV.items():
             env.setenv(name, value)
+        # the operator's own models (test_own_model.py), installed on every Ray node
+        env.setenv("PYTHONPATH", str(Path(__file__).parents[1] / "models_pkg"), prepend=":")
         connection = connect(
             tmp_path_factory.mktemp("ray"),
             dashboard_port=TEST_DASHBOARD_PORT,

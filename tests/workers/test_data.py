@@ -1,11 +1,12 @@
 """Datasets: sizes, classes, splits and which are public."""
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from core.config import DatasetConfig
-from workers.data import describe, hold_out, load_dataset
+from workers.data import declared, describe, hold_out, load_dataset
 from workers.dp.randomness import SecureStream
 
 
@@ -96,3 +97,81 @@ def test_hold_out_makes_a_private_validation_split():
     assert d.splits == {"train": "private", "val": "private"}
     assert d.size + len(d.y_val) == full.size
     assert abs(len(d.y_val) - 0.25 * full.size) < 5 * (0.25 * 0.75 * full.size) ** 0.5
+
+
+def _table(n=6):
+    return pd.DataFrame(
+        {
+            "a": np.linspace(-1, 1, n),
+            "b": np.arange(n) * 0.5,
+            "label": np.arange(n) % 3,
+            "c": np.ones(n),
+        }
+    )
+
+
+def test_csv_and_parquet_tables_load_alike(tmp_path):
+    frame = _table()
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    frame.to_parquet(tmp_path / "t.parquet", index=False)
+    options = {"label": "label"}
+    csv = load_dataset(DatasetConfig(source="csv:t.csv", options=options, num_classes=3), tmp_path)
+    pq = describe("parquet:t.parquet", tmp_path, options, num_classes=3)
+    assert csv.input_shape == (3,) and csv.splits == {"train": "private"}  # a, b, c: no label
+    assert torch.equal(csv.x[:, 1], torch.tensor(frame["b"].to_numpy(), dtype=torch.float32))
+    assert csv.y.tolist() == [0, 1, 2, 0, 1, 2]
+    assert describe("csv:t.csv", tmp_path, options, num_classes=3) == pq  # same data, same hash
+    chosen = load(f"csv:{tmp_path / 't.csv'}", 3, label="label", features=["c", "a"])
+    assert chosen.input_shape == (2,) and torch.equal(chosen.x[:, 1], csv.x[:, 0])
+
+
+@pytest.mark.parametrize(
+    "change, options, message",
+    [
+        ({}, {"label": "class"}, r"options.label: no column 'class'"),
+        ({}, {"label": "label", "features": ["a", "z"]}, r"options.features: no column 'z'"),
+        (
+            {"b": ["1", "2", "oops", "4", "5", "6"]},
+            {},
+            r"options.features: column 'b' is not numeric \(x\[2\] is 'oops'\)",
+        ),
+        ({"label": [0, 1.5, 2, 0, 1, 2]}, {}, r"options.label: .*integer labels \(y\[1\] is 1.5"),
+        ({"label": [0, 1, None, 0, 1, 2]}, {}, r"options.label: .*\(y\[2\] is nan"),
+        ({"label": [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]}, {}, r"options.label: .*its type is float64"),
+        ({"a": [0, 1, 2, None, 4, 5]}, {}, r"source: x\[3\] has a non-finite value"),
+        ({"label": [0, 1, 2, 3, 1, 2]}, {}, r"source: y\[3\] = 3 is outside"),
+    ],
+)
+def test_table_errors_name_the_column_and_row(tmp_path, change, options, message):
+    frame = _table().assign(**change)
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(ValueError, match=f"^dataset.{message}"):
+        load(f"csv:{tmp_path / 't.csv'}", 3, **({"label": "label"} | options))
+
+
+def test_declarations_are_checked_before_the_file_is_read():
+    with pytest.raises(ValueError, match=r"^dataset.options.label: required"):
+        declared("csv", {}, 3)
+    with pytest.raises(ValueError, match=r"^dataset.options.features:"):
+        declared("parquet", {"label": "y", "features": ["a", "y"]}, 3)
+    with pytest.raises(ValueError, match=r"^dataset.options.label: unknown"):
+        declared("npz", {"label": "y"}, 3)
+    with pytest.raises(ValueError, match=r"^dataset.num_classes: required for csv"):
+        declared("csv", {"label": "y"}, None)
+    assert declared("csv", {"label": "y", "features": ["a"]}, 4) == 4
+
+
+@pytest.mark.parametrize("kind", ["npz", "csv", "parquet"])
+def test_unreadable_files_are_refused(tmp_path, kind):
+    path = tmp_path / f"bad.{kind}"
+    path.write_bytes(b"PK\x03\x04 \xff\xfe\x00 not a file of any format")
+    options = {} if kind == "npz" else {"label": "label"}
+    with pytest.raises(ValueError, match=f"^dataset.source: not a readable {kind} file"):
+        load(f"{kind}:{path}", 3, **options)
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+    with pytest.raises(ValueError, match=r"single .npy array"):
+        load(f"npz:{tmp_path / 'one.npz'}", 3)
+    _table(0).to_csv(tmp_path / "empty.csv", index=False)  # a header and no rows
+    with pytest.raises(ValueError, match=r"no examples"):
+        load(f"csv:{tmp_path / 'empty.csv'}", 3, label="label")

@@ -5,6 +5,6 @@ general ``torch.func`` path; see ``clipper.py`` for the algorithm and ``layers.p
 per-layer math.
 """
 
-from workers.dp.ghost.clipper import FallbackWarning, clipped_grad_sum
+from workers.dp.ghost.clipper import NOT_PER_SAMPLE, FallbackWarning, clipped_grad_sum
 
-__all__ = ["FallbackWarning", "clipped_grad_sum"]
+__all__ = ["NOT_PER_SAMPLE", "FallbackWarning", "clipped_grad_sum"]

@@ -55,8 +55,21 @@ from workers.dp.ghost.layers import RULES, Call, LayerRule
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
+#: the fallback reason of a layer called on something other than a per-sample batch: detected
+#: only when its leading size differs from B (see the module docstring)
+NOT_PER_SAMPLE = "is not called on a per-sample batch"
+
+
 class FallbackWarning(UserWarning):
-    """A module's parameters take the slower torch.func path instead of the fast path."""
+    """A module's parameters take the slower torch.func path instead of the fast path;
+    ``module`` is its dotted name (``""``: the model itself) and ``reason`` says why."""
+
+    def __init__(self, module: str, kind: str, reason: str) -> None:
+        super().__init__(
+            f"fast per-sample path: module {module or '<root>'!r} ({kind}) {reason}; "
+            "its parameters use the torch.func path"
+        )
+        self.module, self.reason = module, reason
 
 
 @dataclass
@@ -75,12 +88,7 @@ class _Layer:
 
 
 def _fall_back(module_name: str, module: nn.Module, reason: str) -> None:
-    warnings.warn(
-        f"fast per-sample path: module {module_name or '<root>'!r} "
-        f"({type(module).__name__}) {reason}; its parameters use the torch.func path",
-        FallbackWarning,
-        stacklevel=4,
-    )
+    warnings.warn(FallbackWarning(module_name, type(module).__name__, reason), stacklevel=4)
 
 
 def _plan(model: nn.Module, params: dict[str, nn.Parameter]) -> tuple[list[_Layer], list[str]]:
@@ -303,7 +311,7 @@ def clipped_grad_sum(
     for layer in layers:
         if not layer.inputs or layer.shared:
             reason = (
-                "is not called on a per-sample batch"
+                NOT_PER_SAMPLE
                 if layer.shared
                 else ("was never called as a module (its parameters are used directly)")
             )

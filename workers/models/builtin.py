@@ -1,4 +1,4 @@
-"""Models of a trial, built from a name, options and the dataset's input shape.
+"""The built-in models, built from a name, options and the dataset's input shape.
 
 Inputs are vectors [D], signals [C, L] or images [C, H, W]; convolutional models use 1-D or
 2-D convolutions accordingly, sequence models read a signal as L steps of C features and an
@@ -282,7 +282,7 @@ OPTIONS = {
 }
 
 
-def build_model(cfg: ModelConfig, input_shape: Shape, num_classes: int) -> nn.Module:
+def build_builtin(cfg: ModelConfig, input_shape: Shape, num_classes: int) -> nn.Module:
     unknown = set(cfg.options) - OPTIONS[cfg.name]
     if unknown:
         raise ValueError(
