@@ -35,6 +35,10 @@ from core.config import (
 K = TypeVar("K", bound=Hashable)
 
 MAX_TRIALS = 1000  # trials of one job (grid size × samples, or a cap on a random K)
+#: the largest id (of a dataset, job, attempt) and count the service stores: a 32-bit integer,
+#: what a PostgreSQL ``integer`` column holds; a larger one is refused as invalid (422) rather
+#: than overflowing in the database (a 500)
+MAX_ID = 2**31 - 1
 MAX_VALUES = 100  # values listed for one hyperparameter
 MAX_DIMENSIONS = 8
 
@@ -202,7 +206,7 @@ class Resources(Strict):
 
 
 class JobSpec(Strict):
-    dataset: int = Field(ge=1)
+    dataset: int = Field(ge=1, le=MAX_ID)
     model: ModelConfig
     method: MethodConfig = Field(default_factory=MethodConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from core.spec import MAX_ID
 from service.auth import Principal, authenticate
 from service.db import Dataset, Job
 from service.orchestration import Orchestrator
@@ -56,6 +57,8 @@ def require_operator(caller: Annotated[Principal, Depends(get_caller)]) -> Princ
     return caller
 
 
+#: a path id: a larger number than the database holds is a 422, not an overflow there
+Id = Annotated[int, Path(ge=1, le=MAX_ID)]
 SessionDep = Annotated[Session, Depends(get_db)]
 Caller = Annotated[Principal, Depends(get_caller)]
 Operator = Annotated[Principal, Depends(require_operator)]

@@ -4,16 +4,54 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.planning import PlanError
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 _PLAIN = re.compile(r"^[\w.]+$")
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    """Every error response. ``errors`` names each field at fault and ``detail`` repeats the
+    first as ``"<field>: <reason>"``; an error about no field (no key, an unknown id) has
+    ``detail`` only."""
+
+    detail: str
+    errors: list[FieldError] | None = None
+
+
+_MEANING = {
+    400: "The body could not be read (not UTF-8 JSON).",
+    401: "No valid key: `Authorization: Bearer <key>`.",
+    403: "For operators only.",
+    404: "No such resource in the caller's scope.",
+    409: "Conflicts with the current state (the budget, a repeated request, the job's state).",
+    413: "The body is larger than the service accepts.",
+    422: "A field is invalid; ``errors`` names it.",
+    503: "A dependency (the Ray cluster) does not answer; nothing was changed.",
+}
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI declarations of the error responses a route may give, so that its schema lists
+    every status it answers (tests/service/test_fuzz.py checks each response against it)."""
+    return {code: {"model": ErrorOut, "description": _MEANING[code]} for code in codes}
+
+
+#: what any route may answer: an unreadable, invalid or oversized request, or no valid key
+COMMON = responses(400, 401, 413, 422)
 
 
 def _error(loc: tuple, message: str) -> dict[str, str]:

@@ -13,22 +13,24 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from core.spec import JobSpec
-from service import lifecycle, visibility
+from core.spec import MAX_ID, JobSpec
+from service import lifecycle, reporting, visibility
 from service.api.deps import (
     Caller,
+    Id,
     OrchestratorDep,
     SessionDep,
     SettingsDep,
     visible_dataset,
     visible_job,
 )
-from service.api.errors import field_error
+from service.api.errors import COMMON, field_error, responses
 from service.auth import Principal
 from service.db import Job
-from service.planning import plan_job
+from service.orchestration import OrchestratorUnavailable
+from service.own_models import plan_with_model
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON)
 
 
 class Progress(BaseModel):
@@ -102,19 +104,20 @@ def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
     ]
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED)
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses=responses(404, 409))
 def submit(
     spec: JobSpec,
     session: SessionDep,
     caller: Caller,
     orchestrator: OrchestratorDep,
+    settings: SettingsDep,
     response: Response,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobOut:
     """Plan the job and reserve its full cost in one transaction (409 when it does not fit;
     nothing is reserved). A repeated ``Idempotency-Key`` returns the first job."""
     dataset = visible_dataset(session, caller, spec.dataset)
-    planned = plan_job(spec, dataset, session)
+    planned = plan_with_model(spec, dataset, session, settings)
     try:
         job, new = lifecycle.admit(session, caller, spec, planned, idempotency_key)
     except lifecycle.BudgetExceeded as error:
@@ -122,7 +125,7 @@ def submit(
     except lifecycle.IdempotencyConflict as error:
         raise field_error("Idempotency-Key", str(error), status.HTTP_409_CONFLICT) from None
     if new:
-        lifecycle.submit(session, orchestrator, job, dataset)
+        lifecycle.submit(session, orchestrator, job.id)
     else:
         response.headers["Idempotent-Replayed"] = "true"
     return job_out(job, caller)
@@ -132,9 +135,9 @@ def submit(
 def list_jobs(
     session: SessionDep,
     caller: Caller,
-    dataset: int | None = None,
+    dataset: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
 ) -> list[JobOut]:
     query = select(Job).order_by(Job.id.desc())
     if not caller.is_operator:
@@ -148,42 +151,60 @@ def list_jobs(
     ]
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=responses(404))
 def get_job(
-    job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
+    job_id: Id, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
 ) -> JobOut:
-    job = visible_job(session, caller, job_id)
-    lifecycle.refresh(session, orchestrator, job)
+    visible_job(session, caller, job_id)
+    lifecycle.refresh(session, orchestrator, job_id)
     return job_out(session.get(Job, job_id), caller, orchestrator.dashboard_url)
 
 
-@router.get("/{job_id}/trials")
-def get_trials(job_id: int, session: SessionDep, caller: Caller) -> list[TrialOut]:
+@router.get("/{job_id}/trials", responses=responses(404))
+def get_trials(job_id: Id, session: SessionDep, caller: Caller) -> list[TrialOut]:
     return visible_trials(visible_job(session, caller, job_id), caller)
 
 
-@router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED)
+@router.get(
+    "/{job_id}/report.png",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}}} | responses(404),
+)
+def get_report(job_id: Id, session: SessionDep, caller: Caller) -> Response:
+    """The job's trials and its dataset's budget as a PNG, drawn from what the JSON views
+    show the caller (:mod:`service.reporting`)."""
+    job = visible_job(session, caller, job_id)
+    png = reporting.render(reporting.collect(session, job, caller))
+    return Response(png, media_type="image/png")
+
+
+@router.post(
+    "/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, responses=responses(404, 409, 503)
+)
 def cancel(
-    job_id: int, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
+    job_id: Id, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
 ) -> JobOut:
     """Ask the job to stop. Privacy already consumed is not refunded (invariant 3); the
     reservation of what never ran is released once the job has stopped. 409 for an analyst's
-    started job that holds its release (:func:`service.visibility.cancel_refusal`)."""
+    started job that holds its release (:func:`service.visibility.cancel_refusal`); 503 when
+    the job runs on a cluster that does not answer (try again)."""
     job = visible_job(session, caller, job_id)
     refusal = visibility.cancel_refusal(job, caller)
     if refusal is not None:
         raise field_error("job", refusal, status.HTTP_409_CONFLICT)
-    orchestrator.cancel(job.id)
-    lifecycle.refresh(session, orchestrator, job)
+    try:
+        lifecycle.cancel(session, orchestrator, job_id)
+    except OrchestratorUnavailable as error:
+        raise field_error("job", f"cannot stop it now: {error}", 503) from None
     return job_out(session.get(Job, job_id), caller)
 
 
 @router.get(
     "/{job_id}/model",
     response_class=ModelFile,
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    responses={200: {"content": {"application/octet-stream": {}}}} | responses(404, 409),
 )
-def get_model(job_id: int, session: SessionDep, caller: Caller, settings: SettingsDep) -> Any:
+def get_model(job_id: Id, session: SessionDep, caller: Caller, settings: SettingsDep) -> Any:
     """The released weights as safetensors; the trial config is in the file's metadata
     (``config``). 409 until a model is released."""
     job = visible_job(session, caller, job_id)
