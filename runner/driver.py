@@ -1,29 +1,39 @@
 """The tuning-job driver, the entrypoint of a Ray job (``python -m runner <job id>``).
 
-It reads the admitted job from the control plane, decides its trials (:mod:`workers.search`),
+It reads the admitted job from the control plane, decides its trials (:mod:`runner.search`),
 runs them with Ray Tune — each under ``tune.with_resources`` with the job's CPU/GPU request —
 and finally uploads the best trial's weights by its DP selection score. Each trial is
 :func:`runner.trainable.run_candidate`, which records and charges its attempt before it
-touches data.
+touches data. Its log, which the Ray dashboard shows operators, has Tune's table of trials
+with their hyperparameters, DP scores and ε, and ends with the job's summary
+(:mod:`runner.summary`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import os
 import sys
+from typing import Any
 
 import ray
 from ray import tune
+from ray.tune import CLIReporter
 
 from core.accounting import tuning_method
-from core.config import DatasetConfig
+from core.config import DatasetConfig, ModelConfig
 from core.spec import Selection
+from runner import summary
 from runner.client import ControlPlane
 from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
-from runner.trainable import AttemptRecorder, JobContext, run_candidate
+from runner.summary import TrialLog, TrialRow, keep_alignment
+from runner.trainable import AttemptRecorder, JobContext, param_space, run_candidate
 from workers.dp.randomness import SecureStream
+from workers.models import build_model, inspect_model
 
 log = logging.getLogger("dptune.job")
 
@@ -32,7 +42,7 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
     """Read the job and decide its trials. Under random stopping the job is marked started
     *before* K is drawn, so that its whole bound is charged whatever K turns out to be — even
     K = 0 (invariant 3): the budget must not tell anyone which K was drawn. Its candidates
-    are drawn inside the trials (:mod:`workers.search`)."""
+    are drawn inside the trials (:mod:`runner.search`)."""
     job = api.context()
     spec, plan = job["spec"], job["plan"]
     method = tuning_method(plan["method"])
@@ -58,56 +68,113 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
     )
 
 
-def _tune(ctx: JobContext) -> dict[int, float]:
-    """Run the trials; the DP selection scores of those that finished, by trial index."""
+class DashboardReporter(CLIReporter):
+    """Tune's command-line reporter, with its tables kept aligned in the Ray dashboard's log
+    viewer (:func:`runner.summary.keep_alignment`)."""
+
+    def report(self, trials: list[Any], done: bool, *sys_info: str) -> None:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            super().report(trials, done, *sys_info)
+        print(keep_alignment(text.getvalue()), end="", flush=True)
+
+
+def progress_reporter(ctx: JobContext) -> CLIReporter:
+    """Tune's progress table in the job's log (the Ray dashboard shows it): each trial's
+    hyperparameters — from its config (fixed K) or as the trial reported them once drawn
+    (random stopping, :func:`runner.trainable.run_candidate`) — its steps, DP score and ε.
+    Printed every 30 s while trials run, and once at the end."""
+    paths = list(ctx.spec["search_space"])
+    drawn = ctx.candidates is None
+    return DashboardReporter(
+        parameter_columns={"trial/index": "trial"}
+        | ({} if drawn else {f"trial/params/{p}": p for p in paths}),
+        metric_columns=({f"params/{p}": p for p in paths} if drawn else {})
+        | {"steps": "steps", "dp_score": "DP score", "epsilon": "ε"},
+        max_column_length=24,  # the longest searchable path, optimizer.weight_decay, whole
+        max_report_frequency=30,
+        metric="dp_score",
+        mode=ctx.spec["selection"]["mode"],
+    )
+
+
+def _tune(ctx: JobContext) -> list[TrialRow]:
+    """Run the trials; each one's row of the job's closing table, by trial index."""
     resources = ctx.spec["resources"]
     retries = (
         0
         if tuning_method(ctx.plan["method"]).random_stopping
         else ctx.spec["privacy"]["max_retries"]
     )
+    # Tune's default reporter ignores ``progress_reporter`` and picks its columns itself (the
+    # first four metrics reported); this switch selects the reporter that shows those asked for
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    trials = TrialLog()
     tuner = tune.Tuner(
         tune.with_resources(
             tune.with_parameters(run_candidate, ctx=ctx),
             {"cpu": resources["cpu"], "gpu": resources["gpu"]},
         ),
-        param_space={"index": tune.grid_search(list(range(ctx.trials)))},
+        param_space=param_space(ctx),
         run_config=tune.RunConfig(
             name=f"dptune-job-{ctx.job_id}",
             storage_path=str(ctx.data_dir / "ray_results"),
             failure_config=tune.FailureConfig(max_failures=retries),
-            callbacks=[AttemptRecorder(ctx)],
+            callbacks=[AttemptRecorder(ctx), trials],
+            progress_reporter=progress_reporter(ctx),
             verbose=1,
         ),
     )
-    return {
-        int(r.config["index"]): float(r.metrics["score"])
-        for r in tuner.fit()
-        if r.error is None and r.metrics and r.metrics.get("done")
-    }
+    tuner.fit()
+    return trials.rows
 
 
-def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) -> str:
+def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) -> int | None:
     """Upload the best finished trial's weights by its DP selection score (invariant 5; the
-    control plane checks the choice against the scores it recorded); the other trials'
-    weights are deleted (not DP outputs anyone should keep)."""
-    if not scores:
-        log.warning("no trial finished: nothing to release")
-        return "succeeded"
+    control plane checks the choice against the scores it recorded) and return its index; the
+    other trials' weights are deleted (not DP outputs anyone should keep)."""
     best = Selection.model_validate(ctx.spec["selection"]).best(scores)
-    assert best is not None  # scores is not empty
+    if best is None:
+        log.warning("no trial finished: nothing to release")
+        return None
     api.upload_model(best, ctx.weights_path(best).read_bytes())
     for index in scores:
         ctx.weights_path(index).unlink(missing_ok=True)
-    return "released"
+    return best
+
+
+def model_refusal(job: dict[str, Any]) -> str | None:
+    """Why the job's imported model must not train on these workers, if it must not. The
+    control plane inspected it at admission (its report is ``plan.model``); the package here
+    may differ, so it is inspected again before any trial, without data."""
+    planned = job["plan"].get("model")
+    if planned is None:  # a built-in model
+        return None
+    cfg = ModelConfig.model_validate(job["spec"]["model"])
+    shape, classes = tuple(planned["input_shape"]), planned["num_classes"]
+    try:
+        model = build_model(cfg, shape, classes)
+    except ValueError as error:
+        return str(error)
+    report = inspect_model(model, shape, classes, job["spec"]["method"]["per_sample"])
+    return (
+        f"model.name: DP-SGD cannot train this model: {report.reason}" if report.refused else None
+    )
 
 
 def run_job(job_id: int, settings: RunnerSettings) -> str:
     api = ControlPlane(settings.control_url, settings.job_token.get_secret_value(), job_id)
+    refusal = model_refusal(api.context())  # before the job starts or records an attempt
+    if refusal is not None:
+        log.error("job %d: %s", job_id, refusal)
+        api.end("failed", refusal[:2000])  # the longest error the control plane records
+        return "failed"
     ctx = _load(job_id, settings, api)
-    scores = _tune(ctx) if ctx.trials else {}
-    state = _release_best(ctx, scores, api)
-    api.end(state)  # the control plane settles the ledger: unused reservation back
+    rows = _tune(ctx) if ctx.trials else []
+    best = _release_best(ctx, {r.index: r.score for r in rows if r.score is not None}, api)
+    state = "succeeded" if best is None else "released"
+    charged = api.end(state)  # the control plane settles the ledger: unused reservation back
+    summary.show(ctx, rows, best, charged)
     return state
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from ray import tune
 from safetensors.torch import save_file
@@ -32,9 +33,10 @@ log = logging.getLogger("dptune.trial")
 class JobContext:
     """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``.
 
-    ``candidates`` lists a fixed-K job's candidates by trial index; for a random-stopping job
-    it is None and each trial draws its own from OS entropy (:func:`random_candidate`), so the
-    driver never holds the order of candidates either."""
+    ``candidates`` lists a fixed-K job's candidates by trial index (each trial gets its own in
+    its Tune config, :func:`param_space`); for a random-stopping job it is None and each trial
+    draws its own from OS entropy (:func:`random_candidate`), so the driver never holds the
+    order of candidates either: it learns each from the trial's reports, once drawn."""
 
     job_id: int
     control_url: str
@@ -67,26 +69,44 @@ def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
     )
 
 
-def _candidate(ctx: JobContext, index: int) -> Candidate:
-    if ctx.candidates is None:
-        return random_candidate(ctx.spec["search_space"])
-    return ctx.candidates[index]
+def param_space(ctx: JobContext) -> dict[str, Any]:
+    """Tune's search space: one Tune trial per trial index, ``{"trial": {"index": i,
+    "params": candidate}}`` — a fixed-K trial's candidate in its config, so that Tune's tables
+    (the job's log in the Ray dashboard) show its hyperparameters from the start. A
+    random-stopping trial's config holds only its index: it draws its candidate itself."""
+    trials = [
+        {"index": i} if ctx.candidates is None else {"index": i, "params": ctx.candidates[i]}
+        for i in range(ctx.trials)
+    ]
+    return {"trial": tune.grid_search(trials)}
+
+
+def trial_index(config: dict[str, Any]) -> int:
+    return int(config["trial"]["index"])
 
 
 def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
-    """The Ray Tune trainable: one attempt of trial ``config["index"]``."""
-    index = int(config["index"])
+    """The Ray Tune trainable: one attempt of trial ``config["trial"]["index"]``.
+
+    Every report to Tune carries the trial's ε (one attempt's, at the job's δ) and, when the
+    trial drew its candidate, that candidate as ``params``; the last one adds its DP
+    selection score, ``dp_score``. They are Tune's, for the operator's dashboard: what the
+    control plane records (and shows analysts) goes through ``api`` alone."""
+    index = trial_index(config)
     # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
     torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
     api = ctx.control_plane()
-    params = _candidate(ctx, index)
+    drawn = "params" not in config["trial"]
+    params = random_candidate(ctx.spec["search_space"]) if drawn else config["trial"]["params"]
+    shown = {"epsilon": ctx.plan["trial_epsilon"]} | ({"params": params} if drawn else {})
     try:
         # Charged before any data is read; refused when the reservation does not cover it
         # (a cancelled job, retries used up): then the trial ends without touching data.
-        attempt = api.start_attempt(index, params)
+        attempt = api.start_attempt(index, params, ray.get_runtime_context().get_node_id())
     except AttemptRefused as refused:
         log.warning("trial %d not run: %s", index, refused)
         return
+    tune.report({"steps": 0, **shown})  # a trial that fails before its first epoch shows it too
     steps_run = 0
 
     def on_step(t: int, total: int) -> None:
@@ -97,7 +117,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         api.progress(
             attempt, steps_run, [{**r, "public": r["visibility"] == "public"} for r in rows]
         )
-        tune.report({"steps": steps_run, **{r["name"]: r["value"] for r in rows}})
+        tune.report({"steps": steps_run, **shown, **{r["name"]: r["value"] for r in rows}})
 
     try:
         outcome = run_trial(
@@ -116,7 +136,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     api.finish(
         attempt, "succeeded", result["steps"], result["score"]["value"], result["thresholds"]
     )
-    tune.report({"steps": result["steps"], "score": result["score"]["value"], "done": True})
+    tune.report({"steps": result["steps"], **shown, "dp_score": result["score"]["value"]})
 
 
 class AttemptRecorder(tune.Callback):
@@ -129,7 +149,7 @@ class AttemptRecorder(tune.Callback):
         self.ctx = ctx
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.ctx.control_plane().fail_open(int(trial.config["index"]))
+        self.ctx.control_plane().fail_open(trial_index(trial.config))
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.ctx.control_plane().fail_open(int(trial.config["index"]))
+        self.ctx.control_plane().fail_open(trial_index(trial.config))

@@ -81,6 +81,8 @@ def trials_tail(mean: float, eta: float | None, max_trials: int) -> float:
     if eta is None:
         return float(stats.poisson.sf(max_trials, mean))
     gamma = tnb_gamma(mean, eta)
+    if gamma >= 1:  # mean 1: the truncated distribution is K = 1 always (the formula is 0/0)
+        return 0.0 if max_trials >= 1 else 1.0
     if eta == 0:
         return float(stats.logser.sf(max_trials, 1 - gamma))
     return float(stats.nbinom.sf(max_trials, eta, gamma) / -math.expm1(eta * math.log(gamma)))

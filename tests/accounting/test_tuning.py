@@ -327,3 +327,12 @@ def test_papernot_steinke_equals_dp_accountings_repeat_and_select(
     theirs = np.asarray(rdp_lib.RdpAccountant(orders=ORDERS).compose(event).rdp)
     assert np.all(np.isfinite(theirs))
     np.testing.assert_allclose(tuning_rdp(trial.rdp(), mean, eta), theirs, rtol=1e-12)
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.5, 1.0, 2.0])
+def test_ps_tail_at_mean_one_is_that_of_a_single_trial(eta):
+    """Mean 1 means K = 1 always; the closed form is 0/0 there (it answered NaN, and a job
+    with ``"mean": 1`` got an HTTP 500)."""
+    for cap in (1, 5):  # exactly 0, or the tiny tail of dp-accounting's conservative γ < 1
+        assert 0.0 <= trials_tail(1.0, eta, cap) < 1e-6
+    assert trials_tail(1.0 + 1e-9, eta, 1) < 1e-6  # continuous from above
