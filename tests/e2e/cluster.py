@@ -216,16 +216,20 @@ class LocalCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@contextmanager
-def local_cluster() -> Iterator[LocalCluster]:
-    """A cluster with no nodes yet; every node started in it is killed on the way out. Its
-    root is short: Ray's Unix sockets live under it, and their paths must stay under 108
-    bytes."""
-    root = Path(tempfile.mkdtemp(prefix="dpt-ray-", dir="/tmp"))
+def token_root(prefix: str) -> tuple[Path, Path]:
+    """A new short root directory holding a fresh Ray token: (root, token path). Short,
+    because Ray's Unix sockets live under it and their paths must stay under 108 bytes."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     token_path = root / "auth_token"
     token_path.touch(mode=0o600)
     token_path.write_text(secrets.token_hex(32))
-    cluster = LocalCluster(root, token_path)
+    return root, token_path
+
+
+@contextmanager
+def local_cluster() -> Iterator[LocalCluster]:
+    """A cluster with no nodes yet; every node started in it is killed on the way out."""
+    cluster = LocalCluster(*token_root("dpt-ray-"))
     try:
         yield cluster
     finally:

@@ -11,7 +11,6 @@ and killed by the tests — never ``ray stop``, which would end every head on th
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from service.cluster.head import probe
 from service.cluster.ray_jobs import namespace
 from service.settings import Settings
 
-from .cluster import _ray_cli, process_tree
+from .cluster import _ray_cli, process_tree, token_root
 from .conftest import OPERATOR, Service, small_job
 from .test_jobs import charged, composed_trials
 
@@ -113,11 +112,8 @@ def wait_for(condition: Callable[[], Any], timeout: float) -> Any:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[Head]:
-    """Not started: a test starts it. Its root is short: Ray's Unix sockets live under it."""
-    root = Path(tempfile.mkdtemp(prefix="dpt-late-", dir="/tmp"))
-    token_path = root / "auth_token"
-    token_path.touch(mode=0o600)
-    token_path.write_text(secrets.token_hex(32))
+    """Not started: a test starts it."""
+    root, token_path = token_root("dpt-late-")
     late = Head(root, token_path)
     try:
         yield late
