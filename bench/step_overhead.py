@@ -3,6 +3,7 @@
     python bench/step_overhead.py --threads 1  # full table (5 models x batches 64, 256)
     python bench/step_overhead.py --quick      # mlp and logreg at B=64, under a minute
     python bench/step_overhead.py --json out.json
+    python bench/step_overhead.py --style all_layer layer_wise param_wise  # a row per style
 
 Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
 clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_torchrng`` (the same step with
@@ -10,8 +11,9 @@ its noise from torch's own generator instead of the product's AES-CTR stream: th
 ``fast`` / ``fast_torchrng`` is what secure randomness costs), ``opacus_hooks`` and
 ``opacus_ghost`` (Opacus 1.6 ``grad_sample_mode="hooks"`` / ``"ghost"``, an optional benchmark
 dependency). Every DP column clips (Abadi, R = 1, all-layer unless ``--style``), adds Gaussian
-noise once and takes an SGD step; ours draw the noise as the engine does (one flat draw from a
-:class:`~workers.dp.randomness.SecureStream`).
+noise once and takes an SGD step; ours run the product's own step
+(:class:`~workers.dp.engine.PrivateStep`: clipper, noise from a
+:class:`~workers.dp.randomness.SecureStream` into one flat gradient buffer, optimizer step).
 
 Each (model, batch, column) runs in a fresh subprocess, so peak memory is not polluted by other
 runs. Peak memory = the largest memory in use during the first step, counting the model, its
@@ -62,6 +64,7 @@ class Result:
     status: str  # "ok", or why there is no number
     time_s: float | None = None
     peak_mb: float | None = None
+    style: str = "all_layer"  # clipping style of a DP column (non-private: none applies)
 
 
 # ------------------------------------------------------------------ one run (in a subprocess)
@@ -96,7 +99,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     from torch import nn
 
     from core.config import ModelConfig
-    from workers.dp.clipping import coefficient_fn, resolve_groups
+    from workers.dp.clipping import resolve_groups
     from workers.models import build_model
 
     shape, classes, options = MODELS[model_name]
@@ -122,27 +125,30 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         from workers.dp.ghost import clipped_grad_sum
     else:
         from workers.dp.grads import clipped_grad_sum
+    from workers.dp.adaptive import ThresholdRule
+    from workers.dp.engine import PrivateStep
     from workers.dp.randomness import SecureStream
 
-    per_sample_loss = nn.CrossEntropyLoss(reduction="none")
-    groups = resolve_groups(model, style)
-    coef_fn = coefficient_fn("abadi", 1.0, len(groups))
-    params = dict(model.named_parameters())
-    sizes = [p.numel() for p in params.values()]
-    stream = SecureStream()
+    class TorchNoise(SecureStream):
+        """torch's own (not secure) generator, to price the secure one: ``fast_torchrng``."""
 
-    def noise() -> list:
-        if method == "fast_torchrng":
-            return [torch.randn(n, device=device) for n in sizes]
-        return list(stream.normal(sum(sizes), device=device).split(sizes))
+        def normal(self, shape, *, device="cpu", dtype=torch.float32, out=None):
+            return torch.randn(shape, device=device, dtype=dtype, out=out)
 
-    def step() -> None:
-        _, sums = clipped_grad_sum(model, per_sample_loss, x, y, groups, coef_fn)
-        for (name, total), z in zip(sums.items(), noise(), strict=True):
-            params[name].grad = total.add_(z.view_as(total)).div_(batch)  # σ = R = 1
-        optimizer.step()
-
-    return step
+    private = PrivateStep(
+        model,
+        nn.CrossEntropyLoss(reduction="none"),
+        resolve_groups(model, style),
+        clipped_grad_sum,
+        clipping="abadi",
+        gamma=0.01,
+        rule=ThresholdRule(1.0),
+        grad_noise=1.0,
+        expected_batch_size=batch,
+        optimizer=optimizer,
+        noise=TorchNoise() if method == "fast_torchrng" else SecureStream(),
+    )
+    return lambda: private.step([(x, y)], 0)
 
 
 def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
@@ -232,7 +238,7 @@ def run_one(
 
     timed(1, seconds / 2)  # warm-up: fresh pages and kernel caches are slow at first
     times = timed(steps, seconds)
-    return Result(model_name, batch, method, "ok", statistics.median(times), peak_mb)
+    return Result(model_name, batch, method, "ok", statistics.median(times), peak_mb, style)
 
 
 # ------------------------------------------------------------------ driver
@@ -248,7 +254,9 @@ def _param_count(model_name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _spawn(model_name: str, batch: int, method: str, args: argparse.Namespace) -> Result:
+def _spawn(
+    model_name: str, batch: int, method: str, style: str, args: argparse.Namespace
+) -> Result:
     cmd = [
         sys.executable,
         __file__,
@@ -263,7 +271,7 @@ def _spawn(model_name: str, batch: int, method: str, args: argparse.Namespace) -
         "--seconds",
         str(args.seconds),
         "--style",
-        args.style,
+        style,
         *(["--threads", str(args.threads)] if args.threads else []),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -272,10 +280,10 @@ def _spawn(model_name: str, batch: int, method: str, args: argparse.Namespace) -
             cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False
         )
     except subprocess.TimeoutExpired:
-        return Result(model_name, batch, method, f"timeout > {args.timeout} s")
+        return Result(model_name, batch, method, f"timeout > {args.timeout} s", style=style)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        return Result(model_name, batch, method, f"error: {last[:120]}")
+        return Result(model_name, batch, method, f"error: {last[:120]}", style=style)
     return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -284,22 +292,32 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def table(results: list[Result], methods: list[str]) -> str:
-    """Markdown table: non-private absolute numbers, every other column as ratios."""
-    header = ["model", "B", "non-private s / MB"] + [f"{m} time / mem" for m in methods[1:]]
+    """Markdown table: non-private absolute numbers, every other column as ratios; one row per
+    model, batch and clipping style (the non-private step repeated on each)."""
+    header = ["model", "B", "style", "non-private s / MB"] + [
+        f"{m} time / mem" for m in methods[1:]
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    keys = list(dict.fromkeys((r.model, r.batch) for r in results))
+    keys = list(
+        dict.fromkeys((r.model, r.batch, r.style) for r in results if r.method != "nonprivate")
+    )
     notes = []
-    for model_name, batch in keys:
-        row = {r.method: r for r in results if (r.model, r.batch) == (model_name, batch)}
+    for model_name, batch, style in keys:
+        row = {
+            r.method: r
+            for r in results
+            if (r.model, r.batch) == (model_name, batch)
+            and (r.style == style or r.method == "nonprivate")
+        }
         base = row.get("nonprivate")
-        cells = [model_name, str(batch)]
+        cells = [model_name, str(batch), style]
         cells.append(f"{base.time_s:.3f} / {base.peak_mb:.0f}" if base and base.time_s else "-")
         for method in methods[1:]:
             r = row.get(method)
             if r is None or r.status != "ok":
                 cells.append("n/a")
                 if r is not None:
-                    notes.append(f"{model_name} B={batch} {method}: {r.status}")
+                    notes.append(f"{model_name} B={batch} {style} {method}: {r.status}")
                 continue
             cells.append(
                 f"{_ratio(r.time_s, base and base.time_s)} / "
@@ -317,7 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", nargs="+", type=int)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     parser.add_argument(
-        "--style", default="all_layer", choices=["all_layer", "layer_wise", "param_wise"]
+        "--style",
+        nargs="+",
+        default=["all_layer"],
+        choices=["all_layer", "layer_wise", "param_wise"],
+        help="clipping styles of the DP columns (one row each)",
     )
     parser.add_argument("--steps", type=int, default=3, help="least timed steps per column")
     parser.add_argument(
@@ -358,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             args.steps,
             args.seconds,
-            args.style,
+            args.style[0],
             args.threads,
         )
         print(json.dumps(asdict(result)))
@@ -371,7 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     for model_name in models:
         params = _param_count(model_name)
         for batch in batches:
-            for method in methods:
+            runs = [("nonprivate", "all_layer")]
+            runs += [(m, style) for style in args.style for m in methods[1:]]
+            for method, style in runs:
                 need_gb = batch * params * 4 / 2**30
                 if method in MATERIALIZING and need_gb > args.max_gb:
                     result = Result(
@@ -379,17 +403,18 @@ def main(argv: list[str] | None = None) -> None:
                         batch,
                         method,
                         f"skipped: per-sample gradients need {need_gb:.1f} GB",
+                        style=style,
                     )
                 else:
-                    result = _spawn(model_name, batch, method, args)
+                    result = _spawn(model_name, batch, method, style, args)
                 print(
-                    f"{model_name:12s} B={batch:<4d} {method:13s} {result.status:6.6s} "
-                    f"time={result.time_s} peak_mb={result.peak_mb}",
+                    f"{model_name:12s} B={batch:<4d} {method:13s} {style:10s} "
+                    f"{result.status:6.6s} time={result.time_s} peak_mb={result.peak_mb}",
                     file=sys.stderr,
                 )
                 results.append(result)
     print(
-        f"device: {args.device}; threads: {args.threads or 'default'}; style: {args.style}; "
+        f"device: {args.device}; threads: {args.threads or 'default'}; "
         f"time = median of >= {args.steps} steps after warm-up\n"
     )
     print(table(results, methods))

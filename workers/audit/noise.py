@@ -30,5 +30,6 @@ class ScaledNoise(SecureStream):
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        out: Tensor | None = None,
     ) -> Tensor:
-        return super().normal(shape, device=device, dtype=dtype).mul_(self.scale)
+        return super().normal(shape, device=device, dtype=dtype, out=out).mul_(self.scale)

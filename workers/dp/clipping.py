@@ -25,8 +25,8 @@ from core.config import ClippingFunction
 GroupSpec = str | Sequence[Sequence[str]] | None
 CoefFn = Callable[[Tensor], Tensor]
 
-# Most float64 elements ``sq_norms`` converts at once (bounds its transient memory).
-NORM_CHUNK = 1 << 20
+# Most elements ``sq_norms`` reduces in float64 at once (bounds its transient memory).
+NORM_CHUNK = 1 << 18
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -114,20 +114,22 @@ def sq_norms(rows: Tensor) -> Tensor:
 
     Squares of float32 values overflow from 1.8e19 on, and a float32 sum of millions of
     squares loses ~1e-4 of its value; in float64 neither happens (a float32 value squared is
-    at most 1.2e77). Rows are converted a bounded chunk at a time.
+    at most 1.2e77). The float64 reduction converts its input whole, so it runs on blocks of
+    at most ``NORM_CHUNK`` elements: bounded transient memory.
     """
     flat = rows.flatten(1)
-    if flat.dtype == torch.float64 or flat.numel() <= NORM_CHUNK:
-        return flat.double().square().sum(1)
+    if flat.numel() <= NORM_CHUNK:
+        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
     cols = flat.shape[1]
     col_step = min(cols, NORM_CHUNK)
-    row_step = NORM_CHUNK // col_step
+    row_step = max(1, NORM_CHUNK // col_step)
     out = []
     for i in range(0, flat.shape[0], row_step):
         block = flat[i : i + row_step]
         total = block.new_zeros(block.shape[0], dtype=torch.float64)
         for j in range(0, cols, col_step):
-            total += block[:, j : j + col_step].double().square().sum(1)
+            part = block[:, j : j + col_step]
+            total += torch.linalg.vector_norm(part, dim=1, dtype=torch.float64).square()
         out.append(total)
     return torch.cat(out)
 

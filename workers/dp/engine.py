@@ -13,6 +13,7 @@ invariant 1).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -60,7 +61,23 @@ class PrivateStep:
         self.grad_noise, self.expected_batch_size = grad_noise, expected_batch_size
         self.optimizer, self.noise = optimizer, noise
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.sizes = [p.numel() for p in self.params.values()]
+        first = next(iter(self.params.values()))
+        # One flat buffer holds every g̃ (parameters' ``.grad`` are views of it), allocated once
+        # per trial: noise drawn into it, clipped sums added, one division for all. Its dtype
+        # is the widest parameter dtype; a parameter of another dtype gets a converted copy.
+        self.flat = torch.zeros(
+            sum(p.numel() for p in self.params.values()),
+            device=first.device,
+            dtype=functools.reduce(torch.promote_types, (p.dtype for p in self.params.values())),
+        )
+        self.views = [
+            view.view_as(p)
+            for view, p in zip(
+                self.flat.split([p.numel() for p in self.params.values()]),
+                self.params.values(),
+                strict=True,
+            )
+        ]
 
     def noise_std(self, threshold: float) -> float:
         """Per-coordinate std of the noise in the averaged gradient, σ_T·C_t/B."""
@@ -71,7 +88,10 @@ class PrivateStep:
         ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
         threshold = self.rule.threshold
         coef_fn = coefficient_fn(self.clipping, threshold, len(self.groups), self.gamma)
-        sums = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        # z is drawn straight into the buffer, then σ_T·C_t·z + Σ clipped sums, then / B: no
+        # temporary of the model's size besides the clipper's sums of one micro-batch.
+        self.noise.normal(self.flat.numel(), out=self.flat)
+        self.flat.mul_(self.grad_noise * threshold)
         norms = [torch.zeros(0)]
         for inputs, targets in batches:
             if len(inputs) == 0:
@@ -80,13 +100,12 @@ class PrivateStep:
                 self.model, self.loss_fn, inputs, targets, self.groups, coef_fn
             )
             norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
-            for name, s in batch_sums.items():
-                sums[name] += s.detach()
-        std = self.grad_noise * threshold
-        first = next(iter(self.params.values()))
-        noise = self.noise.normal(sum(self.sizes), device=first.device, dtype=first.dtype)
-        for (name, p), z in zip(self.params.items(), noise.split(self.sizes), strict=True):
-            p.grad = (sums[name] + std * z.view_as(p)) / self.expected_batch_size
+            for view, name in zip(self.views, self.params, strict=True):
+                view.add_(batch_sums[name].detach())
+            del batch_sums
+        self.flat.div_(self.expected_batch_size)
+        for p, view in zip(self.params.values(), self.views, strict=True):
+            p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
         return torch.cat(norms)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:

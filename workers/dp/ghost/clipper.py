@@ -14,9 +14,13 @@ and ``torch.func`` gradients are zeroed before any product (0·NaN = NaN), one l
 
 The seam gives ``coef_fn`` the whole [B, M] matrix at once (adaptive rules need every norm), so
 ``a`` and ``∂L/∂s`` are book-kept until the end of the backward pass: the peak memory of paper
-002's all-layer style (Fact 6.1) for every style. Layers whose per-sample gradients are smaller
-than ``a`` and ``∂L/∂s`` (norm layers, convolutions over many positions) instead form them in
-the backward pass, from a hook on their output's autograd node, and drop ``a`` and ``∂L/∂s``.
+002's all-layer style (Fact 6.1) for every style. Layers whose per-sample gradients are worth
+holding instead of ``a`` and ``∂L/∂s`` (norm layers, convolutions over many positions: see
+``LayerRule.keeps_per_sample``) instead form them in
+the backward pass, from a hook on their output's autograd node, and drop ``a`` and ``∂L/∂s``;
+one the backward pass does not run (the first layer: nothing book-kept lies below it) forms
+them from its captured ``∂L/∂s`` right after. Norms and sums then come from the very same
+per-sample tensors, so they agree in any precision.
 
 Parameters of any other module (recurrent layers, attention modules using raw parameters, layers
 that share a parameter, modules whose parameters are used without calling them) get exact
@@ -179,23 +183,27 @@ def _reaches(start: Node, targets: set[Node], dead_ends: set[Node]) -> bool:
     return False
 
 
+def _keeps(layer: _Layer) -> bool:
+    """Whether ``layer`` holds per-sample gradients instead of ``a`` and ``∂L/∂s`` (its rule's
+    ``keeps_per_sample``; only for a layer called once)."""
+    return len(layer.inputs) == 1 and layer.rule.keeps_per_sample(
+        layer.module, layer.inputs[0], layer.outputs[0][1]
+    )
+
+
 def _split_kept(layers: list[_Layer]) -> tuple[list[_Layer], list[_Layer]]:
     """Layers whose per-sample gradients are formed in the backward pass, and the others.
 
     A layer can keep per-sample gradients only if its node runs in the backward pass, i.e. if
     it leads to the output of a book-kept layer below it; layers are visited bottom-up (forward
-    order) so that set is complete when a layer is decided.
+    order) so that set is complete when a layer is decided. A layer that would keep them but
+    is not reached (typically the first layer) forms them right after the backward pass.
     """
     kept, booked = [], []
     targets: set[Node] = set()
     dead_ends: set[Node] = set()
     for layer in sorted(layers, key=lambda item: item.order):
-        edge, shape, _ = layer.outputs[0]
-        if (
-            len(layer.inputs) == 1
-            and layer.rule.keeps_per_sample(layer.module, layer.inputs[0], shape)
-            and _reaches(edge.node, targets, dead_ends)
-        ):
+        if _keeps(layer) and _reaches(layer.outputs[0][0].node, targets, dead_ends):
             kept.append(layer)
         else:
             booked.append(layer)
@@ -240,6 +248,12 @@ def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
         if g is None:  # this call's output did not reach the loss
             g = torch.zeros(shape, dtype=dtype, device=x.device)
         calls[layer.name].append(Call(x, g))
+    del recorded, grads
+    for layer in booked:
+        if _keeps(layer):  # not reached by the backward pass: form them now, drop a and ∂L/∂s
+            layer.kept = layer.rule.per_sample(layer.module, calls.pop(layer.name)[0])
+            layer.inputs.clear()
+            kept.append(layer)
     for layer in kept:
         if layer.kept is None:  # its output did not reach the loss
             layer.kept = {

@@ -128,8 +128,11 @@ def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     """
     batch, groups, positions, d = a.shape
     p = g.shape[-1]
-    ghost = positions > 1 and use_ghost(positions, d, p)
-    transient = positions * positions if ghost else (p * d if positions > 1 else 0)
+    if positions == 1:  # ‖a‖²·‖g‖² per map, by bounded float64 blocks (``sq_norms``)
+        sq_a, sq_g = (sq_norms(x[:, :, 0].flatten(0, 1)).view(batch, groups) for x in (a, g))
+        return (sq_a * sq_g).sum(1)
+    ghost = use_ghost(positions, d, p)
+    transient = positions * positions if ghost else p * d
     out = [
         _guarded_sq_norms(a[part].double(), g[part].double(), ghost).sum(1)
         for part in _chunks(batch, groups * (positions * (d + p) + transient))
@@ -141,8 +144,6 @@ def _guarded_sq_norms(a: Tensor, g: Tensor, ghost: bool) -> Tensor:
     """``positions_sq_norms`` of one chunk of float64 samples, per map: [b, G]."""
     positions, d, p = a.shape[-2], a.shape[-1], g.shape[-1]
     spread = torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)
-    if positions == 1:  # rank one: ‖g aᵀ‖ = ‖a‖·‖g‖, no cancellation
-        return spread.squeeze(-1).square()
     if ghost:
         sq = (a @ a.mT).mul_(g @ g.mT).sum((-2, -1)).clamp_min_(0.0)
         length = d + p + positions * positions + 1
@@ -205,9 +206,10 @@ class LayerRule:
     per-sample gradients are cheap (biases, affine norm parameters); subclasses with a weight
     matrix add ``weight_sq_norms`` / ``weight_sum`` / ``weight_per_sample`` for it.
 
-    ``keeps_per_sample`` says when one call's per-sample gradients take less memory than its
-    book-kept input and output gradient; the clipper then forms them as soon as the output
-    gradient exists in the backward pass and drops both (FastDP's mixed book-keeping).
+    ``keeps_per_sample`` says when one call's per-sample gradients are worth holding instead
+    of its book-kept input and output gradient (less memory, or for convolutions a little more
+    memory and far less time); the clipper then forms them as soon as the output gradient
+    exists in the backward pass and drops both (FastDP's mixed book-keeping).
     """
 
     has_weight_matrix = False
@@ -364,12 +366,15 @@ class ConvRule(LayerRule):
     def keeps_per_sample(
         self, module: nn.Module, activation: Tensor, output_shape: torch.Size
     ) -> bool:
+        """Where the instantiated norm is the cheaper one, keep per-sample gradients if they
+        are smaller than twice the input and output gradient. Up to that size, holding them
+        (one float32 grouped convolution) beats book-keeping on time by far: the book-kept
+        route unfolds the patches, k/stride² times the input, in float64 twice (norm, sum)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         output = math.prod(output_shape[1:])
-        return (
-            not self._ghost_cheaper(module, output // module.out_channels)
-            and module.weight.numel() < activation[0].numel() + output
-        )
+        return not self._ghost_cheaper(
+            module, output // module.out_channels
+        ) and module.weight.numel() < 2 * (activation[0].numel() + output)
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
         """Per-sample weight gradients [B, *weight] from one weight-gradient convolution with the
