@@ -98,8 +98,11 @@ def progress_reporter(ctx: JobContext) -> CLIReporter:
     )
 
 
-def _tune(ctx: JobContext) -> list[TrialRow]:
-    """Run the trials; each one's row of the job's closing table, by trial index."""
+def _tune(ctx: JobContext, reuse: bool) -> list[TrialRow]:
+    """Run the trials; each one's row of the job's closing table, by trial index. With
+    ``reuse`` a trial process that ends well runs the job's next trial (Tune's actor reuse:
+    torch imported and the dataset read once per process, :func:`workers.data.load_cached`);
+    one whose trial failed or died is replaced, so a retry starts in a fresh process."""
     resources = ctx.spec["resources"]
     retries = (
         0
@@ -116,6 +119,7 @@ def _tune(ctx: JobContext) -> list[TrialRow]:
             {"cpu": resources["cpu"], "gpu": resources["gpu"]},
         ),
         param_space=param_space(ctx),
+        tune_config=tune.TuneConfig(reuse_actors=reuse),
         run_config=tune.RunConfig(
             name=f"dptune-job-{ctx.job_id}",
             storage_path=str(ctx.data_dir / "ray_results"),
@@ -170,7 +174,7 @@ def run_job(job_id: int, settings: RunnerSettings) -> str:
         api.end("failed", refusal[:2000])  # the longest error the control plane records
         return "failed"
     ctx = _load(job_id, settings, api)
-    rows = _tune(ctx) if ctx.trials else []
+    rows = _tune(ctx, settings.reuse_processes) if ctx.trials else []
     best = _release_best(ctx, {r.index: r.score for r in rows if r.score is not None}, api)
     state = "succeeded" if best is None else "released"
     charged = api.end(state)  # the control plane settles the ledger: unused reservation back

@@ -18,3 +18,5 @@ class RunnerSettings(BaseSettings):
     """The job-scoped token minted when the job was submitted."""
     data_dir: Path
     """Shared storage: operator-provided datasets, and trials' weights until one is released."""
+    reuse_processes: bool = True
+    """Whether trials reuse worker processes (the service's ``reuse_trial_processes``)."""

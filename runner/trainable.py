@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ from runner.search import Candidate, random_candidate
 from workers.trial import run_trial
 
 log = logging.getLogger("dptune.trial")
+
+#: when this process had imported the trainable, torch and the engine with it: a trial's
+#: timings tell a fresh process (just now) from a reused one (a trial ago)
+IMPORTED_AT = time.time()
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     trial drew its candidate, that candidate as ``params``; the last one adds its DP
     selection score, ``dp_score``. They are Tune's, for the operator's dashboard: what the
     control plane records (and shows analysts) goes through ``api`` alone."""
+    entered = time.time()
     index = trial_index(config)
     # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
     torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
@@ -106,6 +112,7 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     except AttemptRefused as refused:
         log.warning("trial %d not run: %s", index, refused)
         return
+    recorded = time.time()
     tune.report({"steps": 0, **shown})  # a trial that fails before its first epoch shows it too
     steps_run = 0
 
@@ -128,6 +135,8 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         log.error("trial %d failed: %s", index, error)
         raise
     result = outcome.result
+    # where its start-up went, in its Tune results for the operator (bench/job_overhead.py)
+    timings = {"imported_at": IMPORTED_AT, "entered_at": entered, "attempt_s": recorded - entered}
     path = ctx.weights_path(index)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -136,7 +145,10 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     api.finish(
         attempt, "succeeded", result["steps"], result["score"]["value"], result["thresholds"]
     )
-    tune.report({"steps": result["steps"], **shown, "dp_score": result["score"]["value"]})
+    tune.report(
+        {"steps": result["steps"], **shown, "dp_score": result["score"]["value"]}
+        | {"timings": timings | result["timings"]}
+    )
 
 
 class AttemptRecorder(tune.Callback):

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     ``DPTUNE_MODEL_IMPORTS='["mypkg.models"]'``. The package must be installed where the service
     runs (it inspects the model at admission) and on the Ray nodes. Empty: built-in models only,
     so that no caller runs code of their choosing on the cluster; operators' jobs included."""
+    reuse_trial_processes: bool = True
+    """Run a job's trials one after another in the same Ray worker processes (Ray Tune's actor
+    reuse), which import torch and read the dataset once; each trial still builds its own
+    model and draws its own randomness. Off: a fresh process per trial (seconds of start-up
+    each), e.g. for an own model package that keeps state between the models it builds."""
     poll_interval_s: float = Field(2.0, gt=0)
     """How often the service asks the orchestrator about running jobs, so that jobs that end
     are settled even if nobody asks about them."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -300,6 +301,45 @@ def load_dataset(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
             f"dataset.sha256: the data of {cfg.source} changed since it was "
             "registered; its privacy cost was planned from the registered data"
         )
+    return dataset
+
+
+#: datasets a process keeps loaded (:func:`load_cached`): a job reads one, a worker process
+#: runs trials of one job; the bound only caps what a long-lived process may hold
+CACHED_DATASETS = 2
+_cache: OrderedDict[tuple[object, ...], Dataset] = OrderedDict()
+
+
+def _cache_key(cfg: DatasetConfig, data_dir: Path | None) -> tuple[object, ...]:
+    """What identifies loaded data: the config (with the content hash registered with it) and,
+    for a file, its resolved path and the identity and version of what is there now (inode,
+    size, modification time) — an upload replaces the file (a new inode), so data read before
+    it is never served after it, and the reload checks the new bytes against ``sha256``."""
+    kind, _, name = cfg.source.partition(":")
+    if kind not in FILE_FORMATS:
+        return (cfg.model_dump_json(),)
+    path = (data_dir / name if data_dir else Path(name)).resolve()
+    try:
+        stat = path.stat()
+    except OSError:
+        return (cfg.model_dump_json(), str(path))  # load_dataset says what is wrong
+    return (cfg.model_dump_json(), str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def load_cached(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
+    """:func:`load_dataset`, once per process for the same data: the trials of a job that
+    reuse one worker process read, check and hash the dataset once. The arrays are shared
+    between trials, so a trial must not write into them (:func:`workers.trial.run_trial`
+    trains on copies); everything random about a trial (hold-out, batches, noise) is drawn
+    afterwards, per trial, from fresh entropy."""
+    key = _cache_key(cfg, data_dir)
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    dataset = load_dataset(cfg, data_dir)
+    _cache[key] = dataset
+    while len(_cache) > CACHED_DATASETS:
+        _cache.popitem(last=False)
     return dataset
 
 

@@ -99,6 +99,7 @@ class RayOrchestrator:
     data_dir: Path
     namespace: str
     local_head: LocalHead | None = None
+    reuse_processes: bool = True  # Settings.reuse_trial_processes
     _client: JobSubmissionClient | None = field(default=None, init=False, repr=False)
 
     @property
@@ -118,6 +119,7 @@ class RayOrchestrator:
                 "DPTUNE_CONTROL_URL": self.control_url,
                 "DPTUNE_JOB_TOKEN": submission.token,
                 "DPTUNE_DATA_DIR": str(self.data_dir.resolve()),
+                "DPTUNE_REUSE_PROCESSES": "1" if self.reuse_processes else "0",
                 "PYTHONUNBUFFERED": "1",
             }
         }
@@ -224,4 +226,5 @@ def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
         settings.data_path,
         namespace(settings.sqlalchemy_url),
         local_head,
+        settings.reuse_trial_processes,
     )

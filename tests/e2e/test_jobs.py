@@ -100,6 +100,7 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(
         "DPTUNE_CONTROL_URL",
         "DPTUNE_JOB_TOKEN",
         "DPTUNE_DATA_DIR",
+        "DPTUNE_REUSE_PROCESSES",
         "PYTHONUNBUFFERED",
     }
     assert OPERATOR["Authorization"][7:] not in str(info) and "sqlite" not in str(info)

@@ -58,6 +58,7 @@ def test_a_ray_job_gets_only_the_allow_list(service_env, monkeypatch, tmp_path: 
         "DPTUNE_CONTROL_URL": "http://dptune-api:8000",
         "DPTUNE_JOB_TOKEN": "dpr_job-token",
         "DPTUNE_DATA_DIR": str(tmp_path),
+        "DPTUNE_REUSE_PROCESSES": "1",
         "PYTHONUNBUFFERED": "1",
     }
     shown = repr(call)
@@ -72,6 +73,7 @@ def test_a_ray_job_gets_only_the_allow_list(service_env, monkeypatch, tmp_path: 
     runner = RunnerSettings()  # type: ignore[call-arg]
     assert runner.job_token.get_secret_value() == "dpr_job-token"
     assert runner.control_url == "http://dptune-api:8000"
+    assert runner.reuse_processes
 
 
 def test_a_local_ray_head_does_not_inherit_the_services_settings(
