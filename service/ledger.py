@@ -11,23 +11,38 @@ Rows are append-only and each has a unique reference. Kinds:
 A job's outstanding reservation is max(0, reserved − charged − released), order by order
 (per RDP order, and for ε and δ); while a job is open its commitment is therefore
 max(reserved, charged), and once settled it is exactly its charges. A dataset's committed ε is
-recomputed from all rows with ``core.accounting.dataset_epsilon``; admission refuses a job
-whose reservation would take it above the dataset's ε.
+composed from its charges and outstanding reservations with ``core.accounting.dataset_epsilon``;
+admission refuses a job whose reservation would take it above the dataset's ε.
+
+Sums are exact. Every part of the dataset's total is the exact sum of the rows' floats,
+rounded once (as ``math.fsum`` rounds): it does not depend on the order the rows are added in,
+so the running sums kept in ``ledger_total`` with every row (:func:`append`) give the budget
+that composing all rows gives (:func:`budget_from_rows`) to the bit, and a budget read costs
+one row per open job, not one per ledger row.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from core import accounting
-from service.db import Dataset, Job, LedgerEntry
+from service.db import Dataset, Job, LedgerEntry, LedgerTotal
 
 _N = len(accounting.ORDERS)
+_ONE = 1 << 1074
+"""Every finite double is an integer multiple of 2⁻¹⁰⁷⁴: in that unit, sums of ledger floats
+are sums of Python integers, exact and fast."""
+
+Exact = list[int]
+"""A ledger vector in units of 2⁻¹⁰⁷⁴."""
 
 
 def amount(charge: accounting.Charge) -> np.ndarray:
@@ -50,8 +65,67 @@ def entry_amount(entry: LedgerEntry) -> np.ndarray:
     return vec
 
 
-def _epsilon(amounts: list[np.ndarray], delta: float) -> float:
-    total = np.sum(list(amounts), axis=0) if amounts else np.zeros(_N + 2)
+def exact(vec: np.ndarray) -> Exact:
+    """The vector's floats as exact integers (units of 2⁻¹⁰⁷⁴); a non-finite part raises."""
+    return [_exact(x) for x in vec.tolist()]
+
+
+def _exact(x: float) -> int:
+    numerator, denominator = x.as_integer_ratio()  # the denominator is a power of 2
+    return numerator << (1075 - denominator.bit_length())
+
+
+def rounded(total: Exact) -> np.ndarray:
+    """The exact vector rounded to floats, each part correctly rounded (Python's int / int
+    is), as ``math.fsum`` of the rows it sums would give."""
+    return np.array([part / _ONE for part in total])
+
+
+def rounded_up(total: Exact) -> np.ndarray:
+    """The exact vector rounded up to floats: the least floats not below it."""
+    out = rounded(total)
+    for i, (x, part) in enumerate(zip(exact(out), total, strict=True)):
+        if x < part:
+            out[i] = np.nextafter(out[i], np.inf)
+    return out
+
+
+def _add(a: Exact, b: Exact) -> Exact:
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
+def _sub(a: Exact, b: Exact) -> Exact:
+    return [x - y for x, y in zip(a, b, strict=True)]
+
+
+def _positive(vec: Exact) -> Exact:
+    return [max(0, x) for x in vec]
+
+
+def _zero() -> Exact:
+    return [0] * (_N + 2)
+
+
+def _dump(vec: Exact) -> list[list[float]]:
+    """How ``ledger_total`` stores an exact vector: each part as floats whose exact sum it is
+    (largest first; none for zero), so that a read decodes floats and rounds each part's
+    exact total with ``math.fsum``: no big integers on the read path."""
+    parts = []
+    for x in vec:
+        floats = []
+        while x:
+            f = x / _ONE
+            floats.append(f)
+            x -= _exact(f)
+        parts.append(floats)
+    return parts
+
+
+def _load(parts: list[list[float]]) -> Exact:
+    return [sum(_exact(f) for f in floats) for floats in parts]
+
+
+def _epsilon(total: np.ndarray, delta: float) -> float:
     curves = [total[:_N]] if total[:_N].any() else []
     return accounting.dataset_epsilon(curves, [(float(total[_N]), float(total[_N + 1]))], delta)
 
@@ -59,6 +133,9 @@ def _epsilon(amounts: list[np.ndarray], delta: float) -> float:
 def append(
     session: Session, job: Job, kind: str, reference: str, vec: np.ndarray, note: str = ""
 ) -> LedgerEntry:
+    """Write a ledger row, and bring the dataset's running sums (``ledger_total``) up to date
+    in the same transaction. The caller holds the dataset's budget lock
+    (:func:`service.db.locked_dataset`): the sums are read, changed and written back."""
     entry = LedgerEntry(
         dataset_id=job.dataset_id,
         job_id=job.id,
@@ -70,7 +147,38 @@ def append(
         note=note,
     )
     session.add(entry)
+    session.flush()
+    _update_totals(session, job, entry)
     return entry
+
+
+def _update_totals(session: Session, job: Job, entry: LedgerEntry) -> None:
+    """Add a charge to the dataset's sum of charges, and recompute the job's outstanding
+    reservation from the job's own rows (kept only while some of it is outstanding)."""
+    query = select(LedgerTotal).where(
+        or_(
+            (LedgerTotal.dataset_id == job.dataset_id) & LedgerTotal.job_id.is_(None),
+            LedgerTotal.job_id == job.id,
+        )
+    )
+    totals = {row.job_id: row for row in session.execute(query).scalars()}
+    if entry.kind == "charge":
+        charges = totals.get(None) or _new_total(session, job.dataset_id, None)
+        charges.amount = _dump(_add(_load(charges.amount), exact(entry_amount(entry))))
+    rows = select(LedgerEntry).where(LedgerEntry.job_id == job.id)
+    [left] = outstanding(session.execute(rows).scalars())
+    own = totals.get(job.id)
+    if any(left):
+        (own or _new_total(session, job.dataset_id, job.id)).amount = _dump(left)
+    elif own is not None:
+        session.delete(own)
+    session.flush()
+
+
+def _new_total(session: Session, dataset_id: int, job_id: int | None) -> LedgerTotal:
+    row = LedgerTotal(dataset_id=dataset_id, job_id=job_id, amount=_dump(_zero()))
+    session.add(row)
+    return row
 
 
 @dataclass(frozen=True)
@@ -80,7 +188,6 @@ class Budget:
     spent: float  # ε of all charges
     committed: float  # ε of charges plus outstanding reservations
     delta_held: float  # δ held by (ε, δ) charges (Liu–Talwar bounds, caps on K), committed
-    entries: list[LedgerEntry]
 
     @property
     def reserved(self) -> float:
@@ -99,44 +206,91 @@ def entries_of(session: Session, dataset_id: int) -> list[LedgerEntry]:
 
 
 def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
-    """The dataset's budget state, optionally as if ``plus`` were reserved as well."""
-    entries = entries_of(session, dataset.id)
-    charges = [entry_amount(e) for e in entries if e.kind == "charge"]
-    outstanding = _outstanding(entries)
-    if plus is not None:
-        outstanding.append(plus)
+    """The dataset's budget state, optionally as if ``plus`` were reserved as well, from its
+    running sums: one query, one row per open job. In one statement, so that on PostgreSQL
+    (read committed) the charges and the reservations come from the same snapshot."""
+    query = select(LedgerTotal.job_id, LedgerTotal.amount).where(
+        LedgerTotal.dataset_id == dataset.id
+    )
+    charges: list[list[float]] = [[] for _ in range(_N + 2)]
+    parts = [[] for _ in charges] if plus is None else [[x] for x in plus.tolist()]
+    for job_id, amount in session.execute(query):
+        if job_id is None:
+            charges = amount
+        for mine, theirs in zip(parts, amount, strict=True):
+            mine.extend(theirs)
+    spent = np.array([math.fsum(floats) for floats in charges])
+    return _budget(dataset, spent, np.array([math.fsum(floats) for floats in parts]))
+
+
+def budget_from_rows(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
+    """:func:`budget` composed from every ledger row of the dataset: the definition that the
+    running sums must match exactly (the tests and ``bench/ledger_reads.py`` compare them)."""
+    sums = _Sums.of(entries_of(session, dataset.id))
+    committed = sums.charges
+    for vec in [*sums.outstanding(), *([] if plus is None else [exact(plus)])]:
+        committed = _add(committed, vec)
+    return _budget(dataset, rounded(sums.charges), rounded(committed))
+
+
+def _budget(dataset: Dataset, spent: np.ndarray, committed: np.ndarray) -> Budget:
+    """The budget from the rounded sums of the charges and of everything committed."""
     return Budget(
         epsilon=dataset.epsilon,
         delta=dataset.delta,
-        spent=_epsilon(charges, dataset.delta),
-        committed=_epsilon(charges + outstanding, dataset.delta),
-        delta_held=float(sum(vec[_N + 1] for vec in charges + outstanding)),
-        entries=entries,
+        spent=_epsilon(spent, dataset.delta),
+        committed=_epsilon(committed, dataset.delta),
+        delta_held=float(committed[_N + 1]),
     )
 
 
-def _outstanding(entries: list[LedgerEntry]) -> list[np.ndarray]:
-    per_job: dict[int | None, np.ndarray] = defaultdict(lambda: np.zeros(_N + 2))
-    for e in entries:
-        sign = 1 if e.kind == "reservation" else -1
-        per_job[e.job_id] = per_job[e.job_id] + sign * entry_amount(e)
-    return [np.maximum(vec, 0) for vec in per_job.values()]
+@dataclass
+class _Sums:
+    """Exact sums over ledger rows: the charges, and per job reserved − charged − released."""
+
+    charges: Exact
+    signed: dict[int | None, Exact]
+
+    @classmethod
+    def of(cls, entries: Iterable[LedgerEntry]) -> _Sums:
+        sums = cls(_zero(), defaultdict(_zero))
+        for entry in entries:
+            sums.add(entry)
+        return sums
+
+    def add(self, entry: LedgerEntry) -> Exact:
+        """Add a row; returns its job's signed sum before it."""
+        vec = exact(entry_amount(entry))
+        if entry.kind == "charge":
+            self.charges = _add(self.charges, vec)
+        before = self.signed[entry.job_id]
+        combine = _add if entry.kind == "reservation" else _sub
+        self.signed[entry.job_id] = combine(before, vec)
+        return before
+
+    def outstanding(self) -> list[Exact]:
+        """Each job's outstanding reservation, max(0, reserved − charged − released)."""
+        return [_positive(vec) for vec in self.signed.values()]
+
+
+def outstanding(entries: Iterable[LedgerEntry]) -> list[Exact]:
+    """Each job's outstanding reservation over these rows, exactly."""
+    return _Sums.of(entries).outstanding()
 
 
 def running_totals(entries: list[LedgerEntry], delta: float) -> list[tuple[float, float]]:
     """(spent, committed) ε of the ledger up to and including each row, in the rows' order:
     the budget as it stood after each row was written, composed as :func:`budget` composes
     the whole ledger (its last pair is ``budget``'s ``spent`` and ``committed``)."""
-    charges = np.zeros(_N + 2)
-    per_job: dict[int | None, np.ndarray] = defaultdict(lambda: np.zeros(_N + 2))
+    sums = _Sums.of([])
+    outstanding = _zero()  # the sum of the jobs' outstanding reservations
     totals = []
-    for e in entries:
-        vec = entry_amount(e)
-        if e.kind == "charge":
-            charges = charges + vec
-        per_job[e.job_id] = per_job[e.job_id] + (1 if e.kind == "reservation" else -1) * vec
-        outstanding = np.sum([np.maximum(v, 0) for v in per_job.values()], axis=0)
-        totals.append((_epsilon([charges], delta), _epsilon([charges, outstanding], delta)))
+    for entry in entries:
+        before = sums.add(entry)
+        after = sums.signed[entry.job_id]
+        outstanding = _add(_sub(outstanding, _positive(before)), _positive(after))
+        committed = rounded(_add(sums.charges, outstanding))
+        totals.append((_epsilon(rounded(sums.charges), delta), _epsilon(committed, delta)))
     return totals
 
 
@@ -144,12 +298,28 @@ def job_charged(session: Session, job: Job) -> float:
     """ε of the job's charges, composed and stated at the job's own δ (comparable with its
     plan's ε): what the job has cost so far."""
     query = select(LedgerEntry).where(LedgerEntry.job_id == job.id, LedgerEntry.kind == "charge")
-    return _epsilon([entry_amount(e) for e in session.execute(query).scalars()], job.plan["delta"])
+    sums = _Sums.of(session.execute(query).scalars())
+    return _epsilon(rounded(sums.charges), job.plan["delta"])
 
 
 def entry_epsilon(entry: LedgerEntry, delta: float) -> float:
     """One row's own ε at the dataset's δ (for display; totals are composed, not summed)."""
-    return _epsilon([entry_amount(entry)], delta)
+    curve = tuple(entry.rdp) if entry.rdp is not None else None
+    return _row_epsilon(curve, entry.epsilon, entry.delta, delta)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_epsilon(
+    curve: tuple[float, ...] | None, epsilon: float, row_delta: float, delta: float
+) -> float:
+    """Memoized: a row never changes, and converting a curve costs about as much as reading
+    the whole budget; the rows a ledger page shows are converted once per process (a job's
+    charges, and jobs planned alike, share their amounts)."""
+    vec = np.zeros(_N + 2)
+    if curve is not None:
+        vec[:_N] = curve
+    vec[_N:] = epsilon, row_delta
+    return _epsilon(vec, delta)
 
 
 def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
@@ -179,10 +349,12 @@ def settle(session: Session, job: Job, *, charge_reservation: bool = False) -> N
     charged its whole bound then, so nothing of it is left: a zero row written now would be
     dated by the job's end, which depends on how many trials ran (invariant 11). This also
     makes settling idempotent without a marker row: once settled, nothing of the reservation
-    is outstanding, so settling again writes nothing."""
-    left = _outstanding(charge_what_ran(session, job))[0]
-    if not left.any():
+    is outstanding, so settling again writes nothing. (The row's floats are the exact rest
+    rounded up, so that nothing of it stays outstanding.)"""
+    [rest] = outstanding(charge_what_ran(session, job))
+    if not any(rest):
         return
+    left = rounded_up(rest)
     if charge_reservation:
         append(
             session,

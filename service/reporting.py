@@ -80,11 +80,11 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
     dataset = session.get(Dataset, job.dataset_id)
     if dataset is None:
         raise RuntimeError(f"job {job.id} has no dataset {job.dataset_id}")
-    state = ledger.budget(session, dataset)
+    entries = ledger.entries_of(session, dataset.id)
     totals = dict(
         zip(
-            (e.id for e in state.entries),
-            ledger.running_totals(state.entries, dataset.delta),
+            (e.id for e in entries),
+            ledger.running_totals(entries, dataset.delta),
             strict=True,
         )
     )
@@ -107,7 +107,7 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
         budget=dataset.epsilon,
         rows=[
             Row(e.kind, *totals[e.id], e.created_at, e.job == job.id)
-            for e in visibility.ledger_entries(session, caller, dataset, state.entries)
+            for e in visibility.ledger_entries(session, caller, dataset, entries)
         ],
     )
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import Select, String, and_, cast, not_, or_, select
 from sqlalchemy.orm import Session, object_session
 
 from core import accounting
@@ -279,8 +279,10 @@ def ledger_entries(
     rows, which job a row belongs to only the job's owner. Rows of random-stopping jobs carry
     no time for analysts (when the bound was charged, at the first trial or at the end when
     none ran, depends on K), and their rows with no amount are left out: the zero release that
-    older versions wrote when such a job ended was dated by its end."""
-    query = select(Job.id, Job.owner_key_id, Job.accounting).where(Job.dataset_id == dataset.id)
+    older versions wrote when such a job ended was dated by its end (:func:`ledger_rows` leaves
+    out the same rows in SQL)."""
+    ids = {entry.job_id for entry in entries} - {None}
+    query = select(Job.id, Job.owner_key_id, Job.accounting).where(Job.id.in_(ids))
     jobs = {job_id: (owner, kind) for job_id, owner, kind in session.execute(query)}
     views = []
     for entry in entries:
@@ -303,3 +305,25 @@ def ledger_entries(
             )
         )
     return views
+
+
+def ledger_rows(caller: Principal, dataset: Dataset) -> Select[LedgerEntry]:
+    """The query of the dataset's ledger rows that :func:`ledger_entries` shows the caller, to
+    page through or count without loading the whole ledger. The rows with no amount of
+    random-stopping jobs are left out for analysts: :func:`service.ledger.append` writes a
+    zero curve as no curve, so those are the rows with ε = δ = 0 and no curve."""
+    query = select(LedgerEntry).where(LedgerEntry.dataset_id == dataset.id)
+    if caller.is_operator:
+        return query
+    random_stopping = select(Job.id).where(
+        Job.dataset_id == dataset.id, Job.accounting.in_(accounting.RANDOM_STOPPING)
+    )
+    no_curve = or_(LedgerEntry.rdp.is_(None), cast(LedgerEntry.rdp, String) == "null")
+    hidden = and_(
+        LedgerEntry.job_id.is_not(None),  # NULL IN (…) is NULL, and NOT NULL hides the row
+        LedgerEntry.job_id.in_(random_stopping),
+        LedgerEntry.epsilon == 0,
+        LedgerEntry.delta == 0,
+        no_curve,
+    )
+    return query.where(not_(hidden))

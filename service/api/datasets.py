@@ -17,17 +17,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal, Self
 
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import sessionmaker
 
-from core.spec import Scalar
+from core.spec import MAX_ID, Scalar
 from service import ledger, visibility
 from service.api.deps import Caller, Id, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import COMMON, field_error, responses
-from service.db import Dataset, begin_write
+from service.db import Dataset, LedgerEntry, begin_write
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=COMMON)
 
@@ -128,7 +128,22 @@ class BudgetOut(BaseModel):
     spent: float
     reserved: float
     remaining: float
-    entries: list[EntryOut]
+    entries: list[EntryOut] = Field(
+        description="the newest ledger rows the caller sees, at most `limit`, oldest first "
+        "(the whole ledger: GET /v1/datasets/{id}/ledger)"
+    )
+    entries_total: int = Field(description="how many ledger rows the caller sees in all")
+
+
+class LedgerOut(BaseModel):
+    entries: list[EntryOut] = Field(description="ledger rows in id order, at most `limit`")
+    next_after: int | None = Field(
+        description="the `after` of the next page; null on the last page"
+    )
+
+
+#: how many ledger rows a response lists
+Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many ledger rows")]
 
 
 def dataset_out(dataset: Dataset, operator: bool) -> DatasetOut:
@@ -333,16 +348,51 @@ def get_dataset(dataset_id: Id, session: SessionDep, caller: Caller) -> DatasetO
 
 
 @router.get("/{dataset_id}/budget", responses=responses(404))
-def get_budget(dataset_id: Id, session: SessionDep, caller: Caller) -> BudgetOut:
-    """Spent and reserved ε, composed over the whole ledger (docs/design.md, invariant 7)."""
+def get_budget(
+    dataset_id: Id, session: SessionDep, caller: Caller, limit: Limit = 100
+) -> BudgetOut:
+    """Spent and reserved ε, composed over the whole ledger (docs/design.md, invariant 7), read
+    from its running sums; and the newest ledger rows. The query reads all of it in one
+    transaction (SQLite) or snapshot-consistent statements."""
     dataset = visible_dataset(session, caller, dataset_id)
     state = ledger.budget(session, dataset)
-    entries = visibility.ledger_entries(session, caller, dataset, state.entries)
+    rows = visibility.ledger_rows(caller, dataset)
+    newest = session.execute(rows.order_by(LedgerEntry.id.desc()).limit(limit)).scalars()
+    total = session.execute(select(func.count()).select_from(rows.subquery())).scalar_one()
     return BudgetOut(
         epsilon=state.epsilon,
         delta=state.delta,
         spent=state.spent,
         reserved=state.reserved,
         remaining=state.remaining,
-        entries=[EntryOut.model_validate(e, from_attributes=True) for e in entries],
+        entries=_entries(session, caller, dataset, list(newest)[::-1]),
+        entries_total=total,
     )
+
+
+@router.get("/{dataset_id}/ledger", responses=responses(404))
+def get_ledger(
+    dataset_id: Id,
+    session: SessionDep,
+    caller: Caller,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="list the rows after this id (0: from the first)")
+    ] = 0,
+    limit: Limit = 100,
+) -> LedgerOut:
+    """The ledger rows the caller sees, in id order, a page at a time."""
+    dataset = visible_dataset(session, caller, dataset_id)
+    rows = visibility.ledger_rows(caller, dataset).where(LedgerEntry.id > after)
+    page = list(session.execute(rows.order_by(LedgerEntry.id).limit(limit + 1)).scalars())
+    more = len(page) > limit
+    return LedgerOut(
+        entries=_entries(session, caller, dataset, page[:limit]),
+        next_after=page[limit - 1].id if more else None,
+    )
+
+
+def _entries(
+    session: SessionDep, caller: Caller, dataset: Dataset, rows: list[LedgerEntry]
+) -> list[EntryOut]:
+    views = visibility.ledger_entries(session, caller, dataset, rows)
+    return [EntryOut.model_validate(e, from_attributes=True) for e in views]

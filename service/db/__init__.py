@@ -8,6 +8,7 @@ from service.db.models import (
     Dataset,
     Job,
     LedgerEntry,
+    LedgerTotal,
     Trial,
     TrialAttempt,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "Dataset",
     "Job",
     "LedgerEntry",
+    "LedgerTotal",
     "Trial",
     "TrialAttempt",
     "begin_write",

@@ -191,6 +191,23 @@ class LedgerEntry(Base):
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
 
 
+class LedgerTotal(Base):
+    """Running sums of a dataset's ledger, written in the transaction of every ledger row, so
+    that reading a budget touches one row per open job instead of every ledger row
+    (:mod:`service.ledger`). The row with no ``job_id`` holds the sum of the dataset's charge
+    rows; a row with a ``job_id`` holds that job's outstanding reservation, and exists only
+    while some of it is outstanding. ``amount`` is the ledger vector (RDP orders, ε, δ), each
+    part a list of floats whose exact sum it is: sums of floats kept exactly, so the cached
+    totals are the all-rows totals to the bit (docs/design.md, invariant 7)."""
+
+    __tablename__ = "ledger_total"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("dataset.id"), index=True)
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("job.id"), unique=True)
+    amount: Mapped[list[Any]]
+
+
 @event.listens_for(LedgerEntry, "before_update")
 @event.listens_for(LedgerEntry, "before_delete")
 def _append_only(*_: object) -> None:

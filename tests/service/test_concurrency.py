@@ -12,8 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
+from sqlalchemy.orm import Session
 
+from service import ledger
 from service.api import create_app
+from service.db import Dataset, create_db_engine
 
 THREADS = 20
 
@@ -74,10 +77,16 @@ def test_concurrent_admissions_never_overspend(server, settings, spec):
 
     with httpx.Client(base_url=server, timeout=60) as http:
         budget = http.get(f"/v1/datasets/{ds}/budget", headers=op).json()
-        assert len(budget["entries"]) == admitted
+        assert len(budget["entries"]) == budget["entries_total"] == admitted
         assert budget["reserved"] <= 3.0 and budget["remaining"] >= 0
         # ... and the admitted set is maximal: one more does not fit.
         assert http.post("/v1/jobs", headers=op, json=body).status_code == 409
+    # The running sums that admissions read and wrote are those of the rows, to the bit.
+    engine = create_db_engine(settings.sqlalchemy_url)
+    with Session(engine) as session:
+        dataset = session.get(Dataset, ds)
+        assert ledger.budget(session, dataset) == ledger.budget_from_rows(session, dataset)
+    engine.dispose()
 
 
 def test_idempotency_key_charges_once(server, settings, spec):

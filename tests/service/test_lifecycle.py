@@ -56,6 +56,7 @@ def test_lifecycle(client, api, dataset, ana, spec):
         "reserved": 0.0,
         "remaining": 4.0,
         "entries": [],
+        "entries_total": 0,
     }
 
     # A plan reserves nothing.

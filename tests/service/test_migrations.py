@@ -3,13 +3,27 @@ PostgreSQL)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+import numpy as np
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
+from sqlalchemy.orm import Session
 
-from service.db import Base, create_db_engine, head_revision, upgrade
+from core import accounting
+from service import ledger
+from service.db import (
+    Base,
+    Dataset,
+    LedgerEntry,
+    LedgerTotal,
+    create_db_engine,
+    head_revision,
+    upgrade,
+)
 from service.db.schema import MIGRATIONS
 
 
@@ -70,4 +84,80 @@ def test_an_upgrade_keeps_every_row(settings):
         assert conn.execute(text("SELECT id FROM job")).all() == [(1,)]
         if conn.dialect.name == "sqlite":  # enforced again on the pool's connections
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    engine.dispose()
+
+
+def test_the_upgrade_to_running_sums_fills_them_from_the_rows(settings):
+    """Revision 0005 computes, from the ledger rows already there, the running sums that the
+    service would have kept: the budget read from them is the all-rows budget, to the bit."""
+    engine = create_db_engine(settings.sqlalchemy_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0004")
+    rng = np.random.default_rng(5)
+    orders = len(accounting.ORDERS)
+    rows, jobs = [], []
+    for job in range(1, 9):
+        jobs.append({"id": job, "dataset_id": 1 + job % 2})
+        reserved = rng.uniform(0, 0.3, orders + 2)
+        rows.append(("reservation", job, reserved))
+        for _ in range(rng.integers(0, 4)):
+            rows.append(("charge", job, reserved * rng.uniform(0, 0.5)))
+        if job % 3:  # lost: the whole reservation charged, nothing outstanding
+            rows.append(("charge", job, reserved))
+        else:  # open, part of it released
+            rows.append(("release", job, reserved * rng.uniform(0, 0.5)))
+    rng.shuffle(rows)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
+                "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
+            )
+        )
+        for dataset in (1, 2):
+            conn.execute(
+                text(
+                    "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
+                    "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                    f"({dataset}, 'd{dataset}', 'builtin:digits', '{{}}', 10, 3, '[4]', false, "
+                    "100, 1e-3, '', CURRENT_TIMESTAMP)"
+                )
+            )
+        for job in jobs:
+            conn.execute(
+                text(
+                    "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
+                    "accounting, status, created_at) VALUES (:id, :dataset_id, 1, 'x', '{}', "
+                    "'{}', 'rdp', 'queued', CURRENT_TIMESTAMP)"
+                ),
+                job,
+            )
+        conn.execute(
+            LedgerEntry.__table__.insert(),
+            [
+                {
+                    "dataset_id": 1 + job % 2,
+                    "job_id": job,
+                    "reference": f"row:{i}",
+                    "kind": kind,
+                    "rdp": vec[:orders].tolist(),
+                    "epsilon": float(vec[orders]),
+                    "delta": float(vec[orders + 1]) / 1000,
+                    "note": "",
+                    "created_at": datetime.now(UTC),
+                }
+                for i, (kind, job, vec) in enumerate(rows)
+            ],
+        )
+    assert upgrade(engine) == ("0004", head_revision())
+    with Session(engine) as session:
+        for dataset in session.execute(select(Dataset)).scalars():
+            cached = ledger.budget(session, dataset)
+            assert cached == ledger.budget_from_rows(session, dataset)
+            assert 0 < cached.spent < cached.committed
+        open_jobs = session.execute(select(LedgerTotal.job_id)).scalars().all()
+        assert sorted(j for j in open_jobs if j is not None) == [3, 6]
     engine.dispose()

@@ -1,0 +1,310 @@
+"""Budget reads as the ledger grows: ``GET /v1/datasets/{id}/budget`` and admissions on a
+dataset with 10,000 ledger rows, SQLite and PostgreSQL side by side.
+
+    python bench/ledger_reads.py --json reads.json                # SQLite, 10,000 rows
+    python bench/ledger_reads.py --postgres URL --json reads.json # and PostgreSQL
+    python bench/ledger_reads.py --rows 400 --requests 40         # a quick look
+
+Each database gets a fresh ``dptune`` API served by uvicorn in its own process (as
+``bench/service_load.py`` serves it: the real app, with the default NullOrchestrator, so
+admitted jobs are reserved and never run). The ledger is written in this process, against the
+same database, by the ledger's own functions, which keep its running sums (:func:`fill`):
+settled jobs — most ran both trials, some retried one, some were cancelled before they
+started — until the dataset has ``--rows`` rows, and a few jobs left open (admitted and
+charged one trial through the real admission and attempt calls).
+
+Then, over HTTP, one request at a time: ``--requests`` budget reads, and ``--requests``
+admissions (each admitted job is cancelled afterwards, untimed, so the open jobs stay few).
+In this process, the same database: the budget from the running sums
+(:func:`service.ledger.budget`, what both requests now read) against the budget composed from
+every row (:func:`service.ledger.budget_from_rows`, what every read and admission composed
+before), and the old ``GET /budget``'s whole work (all rows composed, and every row shaped
+for the caller). The run fails unless the two budgets are equal to the bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+sys.path.insert(0, str(Path(__file__).parent))
+from service_load import OPERATOR_KEY, fresh_postgres, percentiles, serve
+
+from core import accounting
+from core.spec import JobSpec
+from service import ledger, lifecycle, visibility
+from service.attempts import start_attempt
+from service.auth import Principal, authenticate
+from service.db import Dataset, Job, LedgerEntry, create_db_engine, locked_dataset
+from service.orchestration import JobState
+from service.planning import PlannedJob, plan_job
+from service.settings import Settings
+
+ROWS = 10_000
+OPEN_JOBS = 5
+BUDGET = 100.0  # the largest ε a dataset may have: what fits ROWS rows of these jobs
+READ, READ_ONE, ADMIT = (
+    "GET /v1/datasets/{id}/budget",
+    "GET /v1/datasets/{id}/budget?limit=1",
+    "POST /v1/jobs",
+)
+CACHED, ALL_ROWS, OLD_GET = "budget (running sums)", "budget_from_rows", "old GET /budget work"
+ADMIT_ONLY = "lifecycle.admit (budget check + reservation)"
+
+
+def job_spec(dataset: int) -> dict[str, Any]:
+    """An rdp job of two trials, one retry each reserved, a noisy private score."""
+    return {
+        "dataset": dataset,
+        "model": {"name": "mlp"},
+        "method": {"clipping": "abadi", "threshold": 1.0},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "validation": {"split": "private", "noise": 50.0},
+        "epochs": 1,
+        "batch_size": 64,
+        "search_space": {"optimizer.lr": {"grid": [0.05, 0.2]}},
+        "privacy": {"epsilon": 0.5, "accounting": "rdp", "max_retries": 1},
+    }
+
+
+@dataclass
+class ReadsResult:
+    database: str
+    rows: int
+    kinds: dict[str, int]
+    jobs: int
+    open_jobs: int
+    fill_s: float
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    exact: bool = False
+    spent: float = 0.0
+    committed: float = 0.0
+
+
+def fill(sessions: sessionmaker, dataset_id: int, rows: int, seed: int = 0) -> int:
+    """Write about ``rows`` ledger rows with the ledger's own functions; returns the jobs'
+    count. Settled jobs are copies of one admitted through :func:`service.lifecycle.admit`,
+    their rows written by :func:`service.ledger.append` and :func:`service.ledger.settle` (which
+    keep the running sums), 50 jobs to a transaction holding the budget lock: most ran both
+    trials (4 rows: reservation, two charges, the release of the unused retries), some retried
+    one (5 rows), some were cancelled before they started (2 rows). The last jobs stay open:
+    admitted and one trial charged (:func:`service.attempts.start_attempt`)."""
+    rng = random.Random(seed)
+    with sessions() as session:
+        principal = authenticate(session, OPERATOR_KEY)
+        assert principal is not None
+        spec = JobSpec.model_validate(job_spec(dataset_id))
+        planned = plan_job(spec, session.get(Dataset, dataset_id), session)
+        template = session.get(Job, _admit(session, principal, spec, planned))
+        lifecycle.apply_state(session, template.id, JobState.CANCELLED)
+        reservation = ledger.amount(planned.reservation)
+        trial = ledger.amount(accounting.Charge(rdp=ledger.trial_rdp(template)))
+        written, jobs = 2, 1
+        while written < rows - 2 * OPEN_JOBS:
+            locked_dataset(session, dataset_id)
+            for _ in range(min(50, (rows - 2 * OPEN_JOBS - written) // 4 + 1)):
+                shape = rng.random()
+                charges = 0 if shape < 0.15 else 2 if shape < 0.85 else 3
+                job = Job(
+                    dataset_id=dataset_id,
+                    owner_key_id=principal.key_id,
+                    request_sha256=template.request_sha256,
+                    spec=template.spec,
+                    plan=template.plan,
+                    accounting=template.accounting,
+                    status=JobState.SUCCEEDED if charges else JobState.CANCELLED,
+                )
+                session.add(job)
+                session.flush()
+                ledger.append(session, job, "reservation", f"job:{job.id}:reservation", reservation)
+                for n in range(charges):
+                    ledger.append(session, job, "charge", f"job:{job.id}:{n}", trial)
+                ledger.settle(session, job)
+                written += 2 + charges
+                jobs += 1
+            session.commit()
+        for _ in range(OPEN_JOBS):  # running, one trial charged
+            job_id = _admit(session, principal, spec, planned)
+            start_attempt(session, job_id, 0, {"optimizer.lr": 0.05})
+            jobs += 1
+    return jobs
+
+
+def _admit(session: Session, principal: Principal, spec: JobSpec, planned: PlannedJob) -> int:
+    job, _ = lifecycle.admit(session, principal, spec, planned, None)
+    return job.id
+
+
+def timed(call: Callable[[], Any], repeat: int) -> list[float]:
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def run_reads(
+    database_url: str | None, data_dir: Path, rows: int = ROWS, requests: int = 200
+) -> ReadsResult:
+    """Fill one fresh database's dataset with ``rows`` ledger rows and time its reads."""
+    with serve(database_url, data_dir, workers=1) as url:
+        operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+        with httpx.Client(base_url=url, headers=operator, timeout=120) as http:
+            r = http.post(
+                "/v1/datasets",
+                json={"name": "d", "source": "builtin:digits", "epsilon": BUDGET, "delta": 1e-5},
+            )
+            r.raise_for_status()
+            dataset_id = r.json()["id"]
+            settings = Settings(
+                data_dir=data_dir, database_url=database_url, operator_key=OPERATOR_KEY
+            )
+            engine = create_db_engine(settings.sqlalchemy_url)
+            sessions = sessionmaker(engine, expire_on_commit=False)
+            start = time.perf_counter()
+            jobs = fill(sessions, dataset_id, rows)
+            fill_s = time.perf_counter() - start
+            result = _in_process(sessions, dataset_id, requests)
+            result.database = "postgresql" if database_url else "sqlite"
+            result.jobs, result.fill_s = jobs, fill_s
+            path = f"/v1/datasets/{dataset_id}/budget"
+            result.latency[READ] = percentiles(
+                timed(lambda: http.get(path).raise_for_status(), requests)
+            )
+            result.latency[READ_ONE] = percentiles(
+                timed(lambda: http.get(path, params={"limit": 1}).raise_for_status(), requests)
+            )
+            result.latency[ADMIT] = percentiles(_admissions(http, dataset_id, requests))
+            engine.dispose()
+    return result
+
+
+def _in_process(sessions: sessionmaker, dataset_id: int, requests: int) -> ReadsResult:
+    with sessions() as session:
+        dataset = session.get(Dataset, dataset_id)
+        cached = ledger.budget(session, dataset)
+        exact = cached == ledger.budget_from_rows(session, dataset)
+        kinds = dict(
+            session.execute(
+                select(LedgerEntry.kind, func.count())
+                .where(LedgerEntry.dataset_id == dataset_id)
+                .group_by(LedgerEntry.kind)
+            ).all()
+        )
+        principal = authenticate(session, OPERATOR_KEY)
+        assert principal is not None
+        open_jobs = sum(any(v) for v in ledger.outstanding(ledger.entries_of(session, dataset_id)))
+        slow = 3  # composing every row takes seconds at 10,000 rows
+
+        def old_get() -> None:
+            ledger.budget_from_rows(session, dataset)
+            visibility.ledger_entries(
+                session, principal, dataset, ledger.entries_of(session, dataset_id)
+            )
+
+        spec = JobSpec.model_validate(job_spec(dataset_id))
+        planned = plan_job(spec, dataset, session)
+        session.commit()
+
+        def admit_and_cancel() -> float:
+            """Seconds of one admission (locked budget check, reservation, commit); the job is
+            then cancelled, untimed."""
+            start = time.perf_counter()
+            job_id = _admit(session, principal, spec, planned)
+            seconds = time.perf_counter() - start
+            lifecycle.apply_state(session, job_id, JobState.CANCELLED)
+            return seconds
+
+        latency = {
+            ADMIT_ONLY: percentiles([admit_and_cancel() for _ in range(requests)]),
+            CACHED: percentiles(timed(lambda: ledger.budget(session, dataset), requests)),
+            ALL_ROWS: percentiles(timed(lambda: ledger.budget_from_rows(session, dataset), slow)),
+            OLD_GET: percentiles(timed(old_get, slow)),
+        }
+    return ReadsResult(
+        database="",
+        rows=sum(kinds.values()),
+        kinds=kinds,
+        jobs=0,
+        open_jobs=open_jobs,
+        fill_s=0.0,
+        latency=latency,
+        exact=exact,
+        spent=cached.spent,
+        committed=cached.committed,
+    )
+
+
+def _admissions(http: httpx.Client, dataset_id: int, requests: int) -> list[float]:
+    """Time each admission; cancel the job afterwards (untimed) so the open jobs stay few."""
+    body = job_spec(dataset_id)
+    http.post("/v1/plans", json=body).raise_for_status()  # the plan is cached, as in use
+    seconds = []
+    for _ in range(requests):
+        start = time.perf_counter()
+        r = http.post("/v1/jobs", json=body)
+        seconds.append(time.perf_counter() - start)
+        if r.status_code != 202:
+            raise RuntimeError(f"admission refused: {r.status_code} {r.text}")
+        http.post(f"/v1/jobs/{r.json()['id']}/cancel").raise_for_status()
+    return seconds
+
+
+def table(results: list[ReadsResult]) -> str:
+    names = [r.database for r in results]
+    counts = [f"{r.database} {r.rows} ({r.jobs} jobs, {r.open_jobs} open)" for r in results]
+    lines = [
+        f"ledger rows: {', '.join(counts)}",
+        "",
+        "| what (one at a time) | " + " | ".join(f"{n} p50 ms | {n} p99 ms" for n in names) + " |",
+        "|---|" + "---:|---:|" * len(results),
+    ]
+    for what in (READ, READ_ONE, ADMIT, ADMIT_ONLY, CACHED, ALL_ROWS, OLD_GET):
+        cells = [
+            f"{r.latency[what]['p50_ms']:.2f} | {r.latency[what]['p99_ms']:.2f}" for r in results
+        ]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    for r in results:
+        ratio = r.latency[ALL_ROWS]["p50_ms"] / r.latency[CACHED]["p50_ms"]
+        lines.append(
+            f"\n{r.database}: running sums {ratio:.0f}× faster than composing every row (p50); "
+            f"equal to the bit: {r.exact}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--postgres", help="a PostgreSQL server URL (a database is made there)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = []
+    with TemporaryDirectory() as tmp:
+        results.append(run_reads(None, Path(tmp) / "sqlite", args.rows, args.requests))
+        if args.postgres:
+            with fresh_postgres(args.postgres) as url:
+                results.append(run_reads(url, Path(tmp) / "pg", args.rows, args.requests))
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    if not all(r.exact for r in results):
+        raise SystemExit("the running sums differ from the all-rows budget")
+
+
+if __name__ == "__main__":
+    main()
