@@ -5,9 +5,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from sqlalchemy import create_engine, make_url
@@ -54,3 +58,24 @@ def postgres_database(postgres_server) -> Iterator[Callable[[], str]]:
         for name in names:
             conn.exec_driver_sql(f"DROP DATABASE {name} WITH (FORCE)")
     admin.dispose()
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench() -> Callable[[str], ModuleType]:
+    """``bench("heavy_tail")`` imports ``bench/heavy_tail.py`` (the benchmarks are scripts, not
+    a package), once per session, so that its CI-sized test runs the benchmark's own code."""
+
+    def load(name: str) -> ModuleType:
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -5,27 +5,17 @@ the all-rows budget to the bit, and reading them costs less than composing every
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "ledger_reads.py"
+import pytest
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ledger_reads", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def reads(bench) -> ModuleType:
+    return bench("ledger_reads")
 
 
-reads = _bench()
-
-
-def test_reads_at_ci_size(database_url, tmp_path) -> None:
+def test_reads_at_ci_size(reads, database_url, tmp_path) -> None:
     result = reads.run_reads(database_url, tmp_path, rows=200, requests=20)
     assert result.exact
     assert result.rows >= 200 and result.open_jobs == reads.OPEN_JOBS

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import ModuleType
 
 import httpx
@@ -20,29 +18,20 @@ from service.api import create_app
 from service.api.server import BackgroundServer, free_port
 from service.db import engine
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "service_load.py"
+
+@pytest.fixture(scope="module")
+def load(bench) -> ModuleType:
+    return bench("service_load")
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("service_load", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-load = _bench()
-
-
-def test_expected_count_is_exact_basic_composition() -> None:
+def test_expected_count_is_exact_basic_composition(load) -> None:
     assert load.expected_admitted(0.5, 1e-8, 13.75, 1e-5) == 27
     assert load.expected_admitted(0.5, 1e-6, 100.25, 1.05e-5) == 10  # δ binds first
     with pytest.raises(ValueError, match="multiple"):  # 30 × 0.1 is 3 only up to rounding
         load.expected_admitted(0.1, 1e-8, 3.0, 1e-5)
 
 
-def test_concurrent_submissions_admit_exactly_what_fits(database_url, tmp_path) -> None:
+def test_concurrent_submissions_admit_exactly_what_fits(load, database_url, tmp_path) -> None:
     result = load.run_load(database_url, tmp_path, submissions=100, concurrency=16, reads=30)
     assert result.problems == []
     assert result.admitted == result.expected_admitted == 18  # a fifth of 90 keys
