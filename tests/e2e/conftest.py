@@ -90,12 +90,14 @@ def environment(pid: int) -> dict[str, str]:
 
 def trial_processes() -> list[int]:
     """PIDs of Ray workers running a Tune trial right now (Ray titles them
-    ``ray::ImplicitFunc.train`` while they train): a test kills one to inject a crash."""
+    ``ray::ImplicitFunc.train`` while they train): a test kills one to inject a crash. A
+    worker kept for the job's next trial (actor reuse) is titled ``ray::ImplicitFunc`` while
+    it waits: killing it would fail no trial."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
-                b"ray::ImplicitFunc"
+                b"ray::ImplicitFunc.train"
             ):
                 pids.append(int(proc.name))
         except OSError:  # the process ended meanwhile

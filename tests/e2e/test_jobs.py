@@ -124,7 +124,7 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
         return bool(running and trial_processes())
 
     service.wait(job["id"], until=training)
-    victim = trial_processes()[0]
+    victim = trial_processes()[0]  # at once: a trial takes seconds
     env = environment(victim)  # a trial holds no database URL and no operator key
     assert env["DPTUNE_JOB_TOKEN"].startswith("dpr_") and "DPTUNE_CONTROL_URL" in env
     assert not {"DPTUNE_DATABASE_URL", "DPTUNE_OPERATOR_KEY"} & set(env)
