@@ -58,10 +58,14 @@ def amount(charge: accounting.Charge) -> np.ndarray:
 
 
 def entry_amount(entry: LedgerEntry) -> np.ndarray:
+    return _row_vector(entry.rdp, entry.epsilon, entry.delta)
+
+
+def _row_vector(rdp: Iterable[float] | None, epsilon: float, delta: float) -> np.ndarray:
     vec = np.zeros(_N + 2)
-    if entry.rdp is not None:
-        vec[:_N] = entry.rdp
-    vec[_N:] = entry.epsilon, entry.delta
+    if rdp is not None:
+        vec[:_N] = list(rdp)
+    vec[_N:] = epsilon, delta
     return vec
 
 
@@ -315,11 +319,7 @@ def _row_epsilon(
     """Memoized: a row never changes, and converting a curve costs about as much as reading
     the whole budget; the rows a ledger page shows are converted once per process (a job's
     charges, and jobs planned alike, share their amounts)."""
-    vec = np.zeros(_N + 2)
-    if curve is not None:
-        vec[:_N] = curve
-    vec[_N:] = epsilon, row_delta
-    return _epsilon(vec, delta)
+    return _epsilon(_row_vector(curve, epsilon, row_delta), delta)
 
 
 def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
