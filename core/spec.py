@@ -7,6 +7,7 @@ resources of a trial. Sizes are bounded so that a request cannot exhaust the mac
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Mapping
 from typing import Annotated, Any, Literal, Self, TypeVar
@@ -19,6 +20,7 @@ from pydantic import (
     Field,
     PositiveFloat,
     Tag,
+    TypeAdapter,
     ValidationError,
     model_validator,
 )
@@ -31,6 +33,7 @@ from core.config import (
     TrialConfig,
     ValidationConfig,
 )
+from core.shapes import Shape
 
 K = TypeVar("K", bound=Hashable)
 
@@ -42,9 +45,9 @@ MAX_ID = 2**31 - 1
 MAX_VALUES = 100  # values listed for one hyperparameter
 MAX_DIMENSIONS = 8
 
-#: what a search space may vary, and the spec part each path lives in. Batch size, epochs and
-#: the noise are fixed per job: every trial must share (q, σ, steps) so that one RDP curve
-#: describes them all.
+#: what a search space may vary, and the spec part each path lives in. Batch size and epochs
+#: are searchable too (:data:`SHAPES`): they set q and T, so each candidate gets its own σ
+#: (:mod:`core.shapes`).
 SEARCHABLE: dict[str, type[BaseModel]] = {
     "optimizer.lr": OptimizerConfig,
     "optimizer.momentum": OptimizerConfig,
@@ -54,6 +57,17 @@ SEARCHABLE: dict[str, type[BaseModel]] = {
     "method.clipping": MethodConfig,
     "method.gamma": MethodConfig,
 }
+
+
+BatchSize = Annotated[int, Field(ge=1, le=1_000_000)]  # expected logical batch size B
+Epochs = Annotated[float, Field(gt=0, le=1000)]
+#: the searchable spec fields that change a trial's (q, T, σ): its shape (:mod:`core.shapes`)
+SHAPES: dict[str, TypeAdapter[Any]] = {
+    "batch_size": TypeAdapter(BatchSize),
+    "epochs": TypeAdapter(Epochs),
+}
+#: at most this many shapes per job: each is calibrated on its own when the job is planned
+MAX_SHAPES = 16
 
 
 def _scalar(value: Any) -> bool | int | float | str:
@@ -211,8 +225,9 @@ class JobSpec(Strict):
     method: MethodConfig = Field(default_factory=MethodConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    epochs: float = Field(1.0, gt=0, le=1000)
-    batch_size: int = Field(64, ge=1, le=1_000_000)  # expected logical batch size B
+    #: None: the planner's recipe (``service.planning``, explained in the plan's ``defaults``)
+    epochs: Epochs | None = None
+    batch_size: BatchSize | None = None
     physical_batch_size: int = Field(256, ge=1, le=1_000_000)
     search_space: dict[str, Dimension] = Field(default_factory=dict, max_length=MAX_DIMENSIONS)
     privacy: Privacy
@@ -254,6 +269,12 @@ class JobSpec(Strict):
                 "from OS entropy, so that the released hyperparameters do not tell which draw "
                 "won (and so how many trials ran)"
             )
+        shaped = [p for p in self.search_space if p in SHAPES]
+        if shaped and len(self.shape_grid()) > MAX_SHAPES:
+            raise ValueError(
+                f"search_space.{shaped[0]}: {len(self.shape_grid())} combinations of "
+                f"{' and '.join(shaped)} exceed {MAX_SHAPES} (each gets its own noise)"
+            )
         if self.trial_count() > MAX_TRIALS:
             raise ValueError(f"search_space: {self.trial_count()} trials exceed {MAX_TRIALS}")
         return self
@@ -261,30 +282,43 @@ class JobSpec(Strict):
     def trial_config(
         self,
         dataset: DatasetConfig,
-        noise_multiplier: float,
+        shape: Shape,
         delta: float,
         params: dict[str, Scalar],
     ) -> TrialConfig:
         """One trial's configuration: the spec's parts with a candidate's hyperparameters
-        (search-space path → value) applied, and the job's *planned* σ — a trial never
-        calibrates its own noise, so it costs exactly what was reserved."""
+        (search-space path → value) applied, and its shape's *planned* B, epochs and σ — a
+        trial never calibrates its own noise, so it costs exactly what was reserved."""
         parts = {name: getattr(self, name).model_dump() for name in ("method", "optimizer")}
         for path, value in params.items():
             if path not in self.search_space:
                 raise ValueError(f"{path}: not a dimension of the job's search space")
+            if path in SHAPES:
+                if value != getattr(shape, path):
+                    raise ValueError(f"{path}: {value} is not the shape's {getattr(shape, path)}")
+                continue
             part, name = path.split(".")
             parts[part][name] = value
         return TrialConfig(
             dataset=dataset,
             model=self.model,
             validation=self.validation,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
+            epochs=shape.epochs,
+            batch_size=shape.batch_size,
             physical_batch_size=self.physical_batch_size,
-            noise_multiplier=noise_multiplier,
+            noise_multiplier=shape.noise_multiplier,
             delta=delta,
             **parts,
         )
+
+    def shape_grid(self) -> list[dict[str, Any]]:
+        """Every (batch_size, epochs) a trial may run with: the product of the searched values,
+        a field not searched keeping the spec's value (None: the planner's default)."""
+        values = [
+            _endpoints(self.search_space[p]) if p in self.search_space else [getattr(self, p)]
+            for p in SHAPES
+        ]
+        return [dict(zip(SHAPES, combo, strict=True)) for combo in itertools.product(*values)]
 
     def grid_size(self) -> int:
         return math.prod(len(d.grid) for d in self.search_space.values() if isinstance(d, Grid))
@@ -314,11 +348,13 @@ def _endpoints(dim: Dimension) -> list[Scalar]:
 
 def _check_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
     """Every value a dimension can take must be a valid setting of its field."""
+    if path in SHAPES:
+        _check_shape_dimension(spec, path, dim)
+        return
     if path not in SEARCHABLE:
         raise ValueError(
-            f"search_space.{path}: cannot be searched; searchable: {', '.join(SEARCHABLE)} "
-            "(batch_size, epochs and the noise are fixed per job: every trial shares q, σ "
-            "and steps)"
+            f"search_space.{path}: cannot be searched; searchable: "
+            f"{', '.join([*SEARCHABLE, *SHAPES])} (the noise is planned for each candidate)"
         )
     part, name = path.split(".")
     base = getattr(spec, part)
@@ -328,3 +364,22 @@ def _check_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
         except ValidationError as error:
             reason = error.errors()[0]["msg"]
             raise ValueError(f"search_space.{path}: bad value {value!r}: {reason}") from None
+
+
+def _check_shape_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
+    """A shape is a finite set of values, each planned on its own: a grid under ``rdp`` (every
+    one runs, and is charged), a choice under random stopping (each trial draws one)."""
+    kind = "grid" if spec.privacy.accounting == "rdp" else "values"
+    if not isinstance(dim, Grid if kind == "grid" else Choice):
+        raise ValueError(
+            f"search_space.{path}: give {{'{kind}': [...]}} under {spec.privacy.accounting!r}: "
+            "each value gets its own planned noise"
+        )
+    for value in _endpoints(dim):
+        try:
+            SHAPES[path].validate_python(value)
+        except ValidationError as error:
+            reason = error.errors()[0]["msg"]
+            raise ValueError(f"search_space.{path}: bad value {value!r}: {reason}") from None
+    if len(set(_endpoints(dim))) < len(_endpoints(dim)):
+        raise ValueError(f"search_space.{path}: values repeat")

@@ -15,12 +15,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import numpy as np
 from ray import tune
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from core.accounting import TrialMechanism, epsilon_from_rdp
+from core.accounting import epsilon_from_rdp
+from core.shapes import plan_shapes, shape_curve, shape_of, trial_curve
 from runner.trainable import JobContext, trial_index
 
 
@@ -89,12 +91,16 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
     """The trials, with each one's ε: ε of its attempts composed (each attempt runs the whole
     trial mechanism of the plan), at the job's δ."""
     plan = ctx.plan
-    curve = TrialMechanism(
-        sample_rate=plan["sample_rate"],
-        noise_multiplier=plan["noise_multiplier"],
-        steps=plan["steps"],
-        validation_noise=plan["validation_noise"],
-    ).rdp()
+    shapes = plan_shapes(plan)
+
+    def curve(params: dict[str, Any]) -> np.ndarray:
+        """The trial's shape's curve; the largest shape's bound for a trial that died before
+        it reported the candidate it drew."""
+        try:
+            return shape_curve(shape_of(shapes, params), plan["validation_noise"])
+        except ValueError:
+            return trial_curve(shapes, plan["validation_noise"], random_stopping=True)
+
     paths = list(ctx.spec["search_space"])
     table = Table(title=f"dptune job {ctx.job_id}: trials", box=box.ROUNDED, title_justify="left")
     table.add_column("trial", justify="right")
@@ -104,7 +110,11 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
     for name in ("steps", "DP score", "ε", "attempts"):
         table.add_column(name, justify="right")
     for row in rows:
-        eps = epsilon_from_rdp(row.attempts * curve, plan["delta"])[0] if row.attempts else None
+        eps = (
+            epsilon_from_rdp(row.attempts * curve(row.params), plan["delta"])[0]
+            if row.attempts
+            else None
+        )
         table.add_row(
             str(row.index),
             *(_value(row.params.get(path)) for path in paths),

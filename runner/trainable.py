@@ -22,6 +22,7 @@ from ray import tune
 from safetensors.torch import save_file
 
 from core.config import DatasetConfig, TrialConfig
+from core.shapes import plan_shapes, shape_of
 from core.spec import JobSpec
 from runner.client import AttemptRefused, ControlPlane
 from runner.search import Candidate, random_candidate
@@ -69,8 +70,9 @@ def _control_plane(url: str, token: str, job_id: int) -> ControlPlane:
 def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
     """A candidate's trial with the job's planned noise. All of its privacy randomness comes
     from fresh OS entropy inside the trial (:mod:`workers.dp.randomness`)."""
+    shape = shape_of(plan_shapes(ctx.plan), params)
     return JobSpec.model_validate(ctx.spec).trial_config(
-        ctx.dataset, ctx.plan["noise_multiplier"], ctx.plan["delta"], params
+        ctx.dataset, shape, ctx.plan["delta"], params
     )
 
 

@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core.shapes import Shape, plan_shapes, shape_of
 from service import ledger, lifecycle
 from service.db import Artifact, Job, Trial, TrialAttempt, begin_write, locked_dataset
 from service.orchestration import JobState
@@ -41,7 +42,7 @@ def start_attempt(
         if JobState(job.status).terminal:
             raise AttemptRefused(f"job {job_id} is {job.status}")
         trial = next((t for t in job.trials if t.index == index), None)
-        _check_covered(job, trial, index)
+        _check_covered(job, trial, index, params)
         if trial is None:
             trial = Trial(job_id=job.id, index=index, params=params)
             session.add(trial)
@@ -59,16 +60,36 @@ def start_attempt(
         raise
 
 
-def _check_covered(job: Job, trial: Trial | None, index: int) -> None:
+def _check_covered(job: Job, trial: Trial | None, index: int, params: dict[str, Any]) -> None:
+    """The reservation covers the attempt: a planned trial index, a candidate of a planned
+    shape (its charge is that shape's curve), and a retry the plan reserved."""
     plan = job.plan
     cap = plan["trials"]["max"]
     if not 0 <= index < cap:
         raise AttemptRefused(f"trial index {index} outside the plan's {cap} trials")
+    shapes = plan_shapes(plan)
+    try:
+        shape = shape_of(shapes, trial.params if trial is not None else params)
+    except ValueError as error:
+        raise AttemptRefused(f"trial {index}: {error}") from None
+    if plan["attempts_reserved"] is not None and len(shapes) > 1:
+        _check_shape_share(job, shapes, shape, plan["attempts_reserved"] // len(shapes))
     if trial is None:
         return
     retries = 0 if ledger.tuning_method(job).random_stopping else job.spec["privacy"]["max_retries"]
     if len(trial.attempts) > retries:
         raise AttemptRefused(f"trial {index} has used its {retries} reserved retries")
+
+
+def _check_shape_share(job: Job, shapes: list[Shape], shape: Shape, share: int) -> None:
+    """A fixed-K job reserved its grid's attempts shape by shape (each shape runs equally
+    often): one more attempt of ``shape`` must stay within its share."""
+    used = sum(len(t.attempts) for t in job.trials if shape_of(shapes, t.params) == shape)
+    if used >= share:
+        raise AttemptRefused(
+            f"the plan's {share} attempts of batch_size {shape.batch_size}, epochs "
+            f"{shape.epochs:g} are used"
+        )
 
 
 def record_progress(

@@ -28,12 +28,14 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from core import accounting
+from core import accounting, shapes
+from core.shapes import plan_shapes
 from service.db import Dataset, Job, LedgerEntry, LedgerTotal
 
 _N = len(accounting.ORDERS)
@@ -374,9 +376,12 @@ def _charges_due(job: Job, reservation: np.ndarray) -> list[tuple[str, np.ndarra
     if tuning_method(job).random_stopping:
         started = job.started_at is not None or attempts
         return [(f"job:{job.id}:bound", reservation, "random-stopping bound")] if started else []
-    trial = amount(accounting.Charge(rdp=trial_rdp(job)))
     return [
-        (f"job:{job.id}:trial:{t.index}:attempt:{a.number}", trial, "trial attempt")
+        (
+            f"job:{job.id}:trial:{t.index}:attempt:{a.number}",
+            amount(accounting.Charge(rdp=attempt_rdp(job, t.params))),
+            "trial attempt",
+        )
         for t, a in attempts
     ]
 
@@ -386,12 +391,8 @@ def tuning_method(job: Job) -> accounting.TuningMethod:
     return accounting.tuning_method(job.plan["method"])
 
 
-def trial_rdp(job: Job) -> np.ndarray:
-    """One trial's RDP curve, recomputed from the job's stored plan."""
+def attempt_rdp(job: Job, params: dict[str, Any]) -> np.ndarray:
+    """The RDP curve of one attempt of the candidate ``params``: its shape's, from the job's
+    stored plan (:mod:`core.shapes`)."""
     plan = job.plan
-    return accounting.TrialMechanism(
-        sample_rate=plan["sample_rate"],
-        noise_multiplier=plan["noise_multiplier"],
-        steps=plan["steps"],
-        validation_noise=plan["validation_noise"],
-    ).rdp()
+    return shapes.shape_curve(shapes.shape_of(plan_shapes(plan), params), plan["validation_noise"])

@@ -92,7 +92,7 @@ def admit(
             owner_key_id=principal.key_id,
             idempotency_key=idempotency_key,
             request_sha256=digest,
-            spec=spec.model_dump(mode="json"),
+            spec=planned.spec.model_dump(mode="json"),  # with the planner's defaults
             plan=planned.plan.model_dump(mode="json"),
             accounting=spec.privacy.accounting,
             status=JobState.QUEUED,

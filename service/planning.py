@@ -1,9 +1,10 @@
 """Privacy plan of a tuning job: the noise each trial runs with and what the job costs.
 
-Every trial of a job runs the same (q, σ, T), so one RDP curve describes each trial and the
-job's cost follows from the accounting method (``core.accounting.job_charge``). σ is
-calibrated so that the job's ε at its δ lands at or just below the analyst's target — counting
-every reserved retry, so the target holds even if all of them are used.
+A trial's batch size and epochs are its *shape* (:mod:`core.shapes`); a job that does not
+search them has one, and σ is calibrated so that the job's ε at its δ lands at or just below the
+analyst's target — counting every reserved retry, so the target holds even if all of them are
+used. A job that searches them gives every shape its own σ, each shape's trial costing the same
+ε, chosen so that the job as a whole lands at or just below the target (:func:`_shape_noise`).
 
 Defaults the analyst leaves out are chosen here, once, and each choice is explained in the
 plan (``Plan.defaults``). They are chosen so that jobs with defaults fit on a dataset in any
@@ -13,10 +14,12 @@ caps on K) come out of the dataset's δ (docs/design.md, invariant 7), so no def
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
@@ -24,8 +27,9 @@ from core import accounting
 from core.config import ModelReport
 from core.noise import gradient_noise
 from core.sampling import num_steps
+from core.shapes import Shape, trial_curve
 from core.spec import MAX_TRIALS, JobSpec, Privacy
-from service import ledger
+from service import ledger, recipes
 from service.db import Dataset
 
 MAX_STEPS = 1_000_000  # DP-SGD steps of one trial
@@ -35,6 +39,10 @@ LT_DELTA_SHARE = 0.1
 LT_DELTA2_SHARE = 0.5
 #: a ps job's default cap on K: the smallest whose δ cost is at most this share of the job's δ
 CAP_DELTA_SHARE = 0.01
+#: a job with several shapes costs ε ∈ [target·(1 − SHAPES_TOLERANCE), target]
+SHAPES_TOLERANCE = 0.01
+#: rounds of the search for the shapes' common per-trial ε
+SHAPES_ROUNDS = 8
 
 
 class PlanError(ValueError):
@@ -56,14 +64,17 @@ class Plan(BaseModel):
     """What the analyst sees before anything is reserved."""
 
     accounting: Literal["rdp", "lt", "ps"]
-    sample_rate: float  # q = B / N
-    steps: int  # T per trial
-    noise_multiplier: float  # σ of each DP-SGD step
-    gradient_noise_multiplier: float  # σ_T left for the gradient after a DC-SGD/Andrew split
+    #: the next four describe every trial when the job has one shape; None when it searches
+    #: batch size or epochs (then ``shapes`` lists each one's)
+    sample_rate: float | None  # q = B / N
+    steps: int | None  # T per trial
+    noise_multiplier: float | None  # σ of each DP-SGD step
+    gradient_noise_multiplier: float | None  # σ_T left for the gradient after a DC-SGD/Andrew split
+    shapes: list[Shape]  # each (batch_size, epochs) a trial may run with: its q, T and σ
     validation_noise: float | None  # σ of the private selection score, if any
     trials: TrialCount
     attempts_reserved: int | None  # rdp: K·(1 + max_retries) trial runs reserved
-    trial_epsilon: float  # one trial's ε at the job's δ
+    trial_epsilon: float  # one trial's ε at the job's δ (the largest of the shapes')
     epsilon: float  # the job's ε ...
     delta: float  # ... at this δ
     method: accounting.TuningMethod  # how the trials are charged: kind and parameters
@@ -75,6 +86,7 @@ class Plan(BaseModel):
 class PlannedJob:
     plan: Plan
     reservation: accounting.Charge  # the job's full cost, reserved at admission
+    spec: JobSpec  # the spec with the planner's defaults filled in: what the job runs
 
 
 def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
@@ -84,48 +96,181 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         raise PlanError(
             "dataset", f"dataset {dataset.id} awaits its data (uploaded by the operator)"
         )
+    spec, defaults = recipes.fill(spec, dataset.n)
     privacy = spec.privacy
-    delta, defaults = _job_delta(privacy, dataset, session)
+    delta, delta_default = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
         raise PlanError("privacy.delta", f"{delta} exceeds the dataset's δ {dataset.delta}")
-    if spec.batch_size > dataset.n:
-        raise PlanError("batch_size", f"{spec.batch_size} exceeds the dataset size {dataset.n}")
     validation = spec.validation
     if validation.split == "public" and not dataset.public_validation:
         raise PlanError(
             "validation.split", "the dataset has no public validation split; use 'private'"
         )
-    q = spec.batch_size / dataset.n
-    steps = num_steps(dataset.n, spec.batch_size, spec.epochs)
-    if steps > MAX_STEPS:
-        raise PlanError("epochs", f"{steps} steps per trial exceed {MAX_STEPS}")
     method, method_defaults = _tuning_method(spec, dataset, delta)
     noise = validation.noise if validation.split == "private" else None
     try:
-        sigma = _calibrate(q, steps, privacy.epsilon, delta, method, noise)
+        shapes = _shapes(spec, dataset.n, delta, method, noise)
+    except PlanError:
+        raise
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    mechanism = accounting.TrialMechanism(
-        sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=noise
-    )
-    trial = mechanism.rdp()
+    trial = trial_curve(shapes, noise, method.random_stopping)
+    one = shapes[0] if len(shapes) == 1 else None
     plan = Plan(
         accounting=privacy.accounting,
-        sample_rate=q,
-        steps=steps,
-        noise_multiplier=sigma,
-        gradient_noise_multiplier=_gradient_noise(spec, sigma),
+        sample_rate=one and one.sample_rate,
+        steps=one and one.steps,
+        noise_multiplier=one and one.noise_multiplier,
+        gradient_noise_multiplier=one and one.gradient_noise_multiplier,
+        shapes=shapes,
         validation_noise=noise,
         trials=_trial_count(spec, method),
         attempts_reserved=method.trials if isinstance(method, accounting.Rdp) else None,
-        trial_epsilon=mechanism.epsilon(delta)[0],
+        trial_epsilon=max(s.trial_epsilon for s in shapes),
         epsilon=method.epsilon(trial, delta),
         delta=delta,
         method=method,
-        defaults=defaults | method_defaults,
+        defaults=defaults | delta_default | method_defaults,
     )
-    return PlannedJob(plan=plan, reservation=method.charge(trial, delta, dataset.epsilon))
+    reservation = method.charge(trial, delta, dataset.epsilon)
+    return PlannedJob(plan=plan, reservation=reservation, spec=spec)
+
+
+def _shapes(
+    spec: JobSpec,
+    n: int,
+    delta: float,
+    method: accounting.TuningMethod,
+    noise: float | None,
+) -> list[Shape]:
+    """Each (batch_size, epochs) of the spec with its q, T and planned σ."""
+    sizes = []
+    for shape in spec.shape_grid():
+        batch_size, epochs = shape["batch_size"], shape["epochs"]
+        if batch_size > n:
+            raise PlanError("batch_size", f"{batch_size} exceeds the dataset size {n}")
+        steps = num_steps(n, batch_size, epochs)
+        if steps > MAX_STEPS:
+            raise PlanError("epochs", f"{steps} steps per trial exceed {MAX_STEPS}")
+        sizes.append((batch_size, epochs, batch_size / n, steps))
+    target = spec.privacy.epsilon
+    if len(sizes) == 1:
+        [(_, _, q, steps)] = sizes
+        sigmas = (_calibrate(q, steps, target, delta, method, noise),)
+    else:
+        geometry = tuple((q, steps) for _, _, q, steps in sizes)
+        sigmas = _shape_noise(geometry, target, delta, method, noise)
+    shapes = []
+    for (batch_size, epochs, q, steps), sigma in zip(sizes, sigmas, strict=True):
+        shapes.append(
+            Shape(
+                batch_size=batch_size,
+                epochs=epochs,
+                sample_rate=q,
+                steps=steps,
+                noise_multiplier=sigma,
+                gradient_noise_multiplier=_gradient_noise(spec, batch_size, sigma),
+                trial_epsilon=accounting.epsilon_from_rdp(_trial(q, sigma, steps, noise), delta)[0],
+            )
+        )
+    return shapes
+
+
+@lru_cache(maxsize=64)
+def _shape_noise(
+    sizes: tuple[tuple[float, int], ...],
+    target: float,
+    delta: float,
+    method: accounting.TuningMethod,
+    noise: float | None,
+) -> tuple[float, ...]:
+    """σ of each shape (q, T), all calibrated to one per-trial ε at δ — the largest for which
+    the job (its trials charged by :func:`core.shapes.trial_curve`) costs at most ``target``.
+
+    The job's ε grows with the per-trial ε e, so e is found by a secant search on
+    (ln e, ln ε_job), which is close to a line: it starts from the e that the first shape alone
+    would get, and stops once the job lands in [target·(1 − SHAPES_TOLERANCE), target]. Every
+    step computes the job's ε from the calibrated curves themselves, so whatever e it settles
+    on, the plan never costs more than the target. About 2 s per shape; memoized, so that
+    the POST of a job planned just before (``POST /v1/plans``) does not pay it again."""
+
+    q0, steps0 = sizes[0]
+    sigma0 = _calibrate(q0, steps0, target, delta, method, noise)
+    e = accounting.epsilon_from_rdp(_trial(q0, sigma0, steps0, noise), delta)[0]
+    # first guesses from ε ∝ q·√T/σ, then each shape's σ from the last round
+    guesses = [sigma0 * q * math.sqrt(steps / steps0) / q0 for q, steps in sizes]
+
+    def job_epsilon(e: float) -> tuple[float, tuple[float, ...]]:
+        sigmas = tuple(
+            _sigma_for(q, steps, e, delta, noise, guess)
+            for (q, steps), guess in zip(sizes, guesses, strict=True)
+        )
+        guesses[:] = sigmas
+        curves = [
+            _trial(q, sigma, steps, noise) for (q, steps), sigma in zip(sizes, sigmas, strict=True)
+        ]
+        combined = np.max(curves, axis=0) if method.random_stopping else np.mean(curves, axis=0)
+        return method.epsilon(combined, delta), sigmas
+
+    best: tuple[float, ...] | None = None
+    seen: list[tuple[float, float]] = []
+    for _ in range(SHAPES_ROUNDS):
+        cost, sigmas = job_epsilon(e)
+        if cost <= target:
+            best = sigmas
+            if cost >= target * (1 - SHAPES_TOLERANCE):
+                break
+        seen.append((math.log(e), math.log(cost)))
+        e = math.exp(_next_log_epsilon(seen, math.log(target * (1 - SHAPES_TOLERANCE / 2))))
+    if best is None:
+        raise ValueError(f"no per-trial ε makes the job's shapes cost at most {target}")
+    return best
+
+
+def _sigma_for(
+    q: float, steps: int, epsilon: float, delta: float, noise: float | None, guess: float
+) -> float:
+    """σ whose one trial (q, T) costs ε ∈ [epsilon·(1 − 10⁻³), epsilon] at δ. Secant steps on
+    (ln σ, ln ε), close to a line, from ``guess`` take a few curves where bisection from
+    scratch takes a dozen or more; bisection (``_calibrate``) if they do not settle."""
+    tolerance = accounting.calibration.RELATIVE_TOLERANCE
+    goal = math.log(epsilon * (1 - tolerance / 2))
+
+    def log_epsilon(log_sigma: float) -> float:
+        curve = _trial(q, math.exp(log_sigma), steps, noise)
+        return math.log(accounting.epsilon_from_rdp(curve, delta)[0])
+
+    x, y = math.log(guess), log_epsilon(math.log(guess))
+    before: tuple[float, float] | None = None
+    for _ in range(8):
+        if epsilon * (1 - tolerance) <= math.exp(y) <= epsilon:
+            return math.exp(x)
+        slope = -1.0
+        if before is not None and before[1] != y:
+            slope = min((y - before[1]) / (x - before[0]), -0.05)
+        before = (x, y)
+        x += max(-1.0, min(1.0, (goal - y) / slope))
+        y = log_epsilon(x)
+    return _calibrate(q, steps, epsilon, delta, accounting.SINGLE, noise)
+
+
+def _next_log_epsilon(seen: list[tuple[float, float]], goal: float) -> float:
+    """Secant step towards ln ε_job = goal through the last two points (slope 1 from one)."""
+    (x1, y1) = seen[-1]
+    slope = 1.0
+    if len(seen) > 1 and seen[-2][1] != y1:
+        x0, y0 = seen[-2]
+        slope = max((y1 - y0) / (x1 - x0), 0.1)
+    return x1 + (goal - y1) / slope
+
+
+@lru_cache(maxsize=256)
+def _trial(q: float, sigma: float, steps: int, noise: float | None) -> np.ndarray:
+    mechanism = accounting.TrialMechanism(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=noise
+    )
+    return mechanism.rdp()
 
 
 def _job_delta(
@@ -255,10 +400,10 @@ def _default_cap(mean: float, eta: float | None, delta: float, epsilon: float) -
     return lo
 
 
-def _gradient_noise(spec: JobSpec, sigma: float) -> float:
+def _gradient_noise(spec: JobSpec, batch_size: int, sigma: float) -> float:
     """σ_T of the gradient when part of σ pays for a noisy statistic of the norms."""
     try:
-        return gradient_noise(spec.method, spec.batch_size, sigma)
+        return gradient_noise(spec.method, batch_size, sigma)
     except ValueError as error:
         field, _, message = str(error).partition(": ")
         raise PlanError(field, message) from None

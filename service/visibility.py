@@ -94,7 +94,8 @@ def _k_secret(job: Job, caller: Principal) -> bool:
 def hold_until(job: Job) -> datetime | None:
     """The earliest time an analyst may see how a started job that holds its release ended:
     as long after its start as the cap on trials would take, run one after another like
-    trial 0 — ``started_at + cap × d``, d the duration of trial 0's first attempt. Trial 0 runs
+    trial 0 — ``started_at + cap × d × r``, d the duration of trial 0's first attempt, r the
+    longest shape's steps over trial 0's (:func:`_slowest`). Trial 0 runs
     whenever K ≥ 1 and how long it takes does not depend on K, except through contention:
     trials that share a node slow each other down, so d can still grow with K. The hold only
     delays: a job still running at that time shows its end when it ends (trials slower than
@@ -237,13 +238,13 @@ def trials(job: Job, caller: Principal) -> list[TrialView]:
 
 def _operator_trials(job: Job) -> list[TrialView]:
     released = job.artifact.trial_id if job.artifact else None
-    curve = ledger.trial_rdp(job) if job.trials else None
 
-    def epsilon(attempts: int) -> float | None:
+    def epsilon(trial: Trial) -> float | None:
         """What a trial's attempts cost on their own (the job's charge is the ledger's)."""
-        if not attempts:
+        if not trial.attempts:
             return None
-        return accounting.epsilon_from_rdp(attempts * curve, job.plan["delta"])[0]
+        curve = len(trial.attempts) * ledger.attempt_rdp(job, trial.params)
+        return accounting.epsilon_from_rdp(curve, job.plan["delta"])[0]
 
     return [
         TrialView(
@@ -255,7 +256,7 @@ def _operator_trials(job: Job) -> list[TrialView]:
             released=t.id == released,
             status=t.status,
             steps=t.steps,
-            epsilon=epsilon(len(t.attempts)),
+            epsilon=epsilon(t),
             attempts=[
                 {
                     "number": a.number,

@@ -74,10 +74,15 @@ def _validation_data(cfg: TrialConfig, dataset: Dataset, stream: SecureStream) -
 
 
 def _epoch_metrics(model: nn.Module, data: Dataset, epoch: int) -> list[dict[str, Any]]:
-    train = evaluate(model, data.x[:TRAIN_EVAL_EXAMPLES], data.y[:TRAIN_EVAL_EXAMPLES])
+    """Training metrics on at most TRAIN_EVAL_EXAMPLES examples spread evenly over the
+    training set: not its first ones, which in a dataset stored by class (heavy_tail) would
+    leave the rare classes' groups out."""
+    every = -(-data.size // TRAIN_EVAL_EXAMPLES)
+    x, y = data.x[::every], data.y[::every]
+    train = evaluate(model, x, y)
     rows = [("train_loss", train.loss, "private"), ("train_accuracy", train.accuracy, "private")]
     if data.class_group is not None:
-        by_group = group_accuracy(train.predictions, data.y[:TRAIN_EVAL_EXAMPLES], data.class_group)
+        by_group = group_accuracy(train.predictions, y, data.class_group)
         rows += [(f"train_accuracy_group{g}", a, "private") for g, a in by_group.items()]
     if data.x_val is not None:
         val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]

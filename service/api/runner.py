@@ -25,6 +25,7 @@ from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
 from core.config import DatasetConfig
+from core.shapes import plan_shapes, shape_of
 from core.spec import MAX_ID, JobSpec, Scalar
 from service import attempts, ledger, lifecycle
 from service.api.deps import Id, SessionDep, SettingsDep
@@ -244,7 +245,7 @@ async def upload_model(
         JobSpec.model_validate(job.spec)
         .trial_config(
             dataset_config(dataset),
-            job.plan["noise_multiplier"],
+            shape_of(plan_shapes(job.plan), best.params),
             job.plan["delta"],
             best.params,
         )

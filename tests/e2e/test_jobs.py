@@ -33,6 +33,12 @@ def charged(budget: dict) -> list[dict]:
     return [e for e in budget["entries"] if e["kind"] == "charge"]
 
 
+def safe_open_metadata(blob: bytes) -> dict[str, str]:
+    """A safetensors file's metadata: its header is 8 bytes of length, then JSON."""
+    size = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + size])["__metadata__"]
+
+
 def composed_trials(plan: dict, trials: int) -> float:
     """The ε of ``trials`` trials of the plan, recomputed from the plan's numbers alone."""
     return tuning_epsilon(
@@ -104,6 +110,37 @@ def test_rdp_job_charges_its_plan_and_releases_a_loadable_model(
         "PYTHONUNBUFFERED",
     }
     assert OPERATOR["Authorization"][7:] not in str(info) and "sqlite" not in str(info)
+
+
+def test_a_search_over_batch_size_runs_each_shape_with_its_own_noise(service, digits) -> None:
+    """A grid over batch size: each trial trains with its shape's B and σ (the Tune results
+    hold what ran), the ledger charges each trial its own shape's curve, and the released
+    model's stored config is its shape's."""
+    spec = small_job(digits)
+    spec["search_space"] = {"batch_size": {"grid": [32, 128]}}
+    job = service.post("/v1/jobs", spec)
+    plan = job["plan"]
+    assert plan["noise_multiplier"] is None and len(plan["shapes"]) == 2
+    done = service.wait(job["id"])
+    assert done["status"] == "released", service.orchestrator.logs(job["id"])[-5000:]
+    trials = service.get(f"/v1/jobs/{job['id']}/trials")
+    assert sorted(t["params"]["batch_size"] for t in trials) == [32, 128]
+    for trial in trials:
+        shape = next(s for s in plan["shapes"] if s["batch_size"] == trial["params"]["batch_size"])
+        assert trial["steps"] == shape["steps"]
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    shapes = plan["shapes"]
+    curves = [rdp_curve(s["sample_rate"], s["noise_multiplier"], s["steps"]) for s in shapes]
+    assert budget["spent"] == pytest.approx(epsilon_from_rdp(sum(curves), 1e-5)[0], rel=1e-9)
+    assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    best = next(t for t in trials if t["released"])
+    response = service.client.get(f"/v1/jobs/{job['id']}/model", headers=OPERATOR)
+    config = json.loads(safe_open_metadata(response.content)["config"])
+    shape = next(s for s in plan["shapes"] if s["batch_size"] == best["params"]["batch_size"])
+    assert (config["batch_size"], config["noise_multiplier"]) == (
+        shape["batch_size"],
+        shape["noise_multiplier"],
+    )
 
 
 def test_a_retried_attempt_is_charged_too(service, digits) -> None:

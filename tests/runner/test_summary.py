@@ -20,6 +20,17 @@ PLAN = {
     "sample_rate": 0.05,
     "noise_multiplier": 1.2,
     "steps": 40,
+    "shapes": [
+        {
+            "batch_size": 64,
+            "epochs": 2.5,
+            "sample_rate": 0.05,
+            "steps": 40,
+            "noise_multiplier": 1.2,
+            "gradient_noise_multiplier": 1.2,
+            "trial_epsilon": 1.0,
+        }
+    ],
     "validation_noise": None,
     "delta": 1e-5,
 }

@@ -95,7 +95,12 @@ HUGE_GRID = {
         ("batch_size", 10**6, "batch_size"),  # larger than the dataset
         ("batch_size", -5, "batch_size"),
         ("search_space", HUGE_GRID, "search_space"),
-        ("search_space", {"batch_size": {"grid": [32, 64]}}, "search_space.batch_size"),
+        (
+            "search_space",
+            {"physical_batch_size": {"grid": [32, 64]}},
+            "search_space.physical_batch_size",
+        ),
+        ("search_space", {"batch_size": {"grid": [32, 10_000]}}, "batch_size"),
         ("search_space", {"optimizer.lr": {"grid": [-1.0]}}, "search_space.optimizer.lr"),
         ("search_space", {"optimizer.lr": {"log_uniform": [1, 0.1]}}, "search_space.optimizer.lr"),
         ("search_space", {"optimizer.lr": {"values": [0.1]}}, "privacy.trials"),

@@ -3,6 +3,7 @@ PostgreSQL)."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import numpy as np
@@ -14,10 +15,12 @@ from sqlalchemy import inspect, select, text
 from sqlalchemy.orm import Session
 
 from core import accounting
+from core.shapes import plan_shapes, shape_of
 from service import ledger
 from service.db import (
     Base,
     Dataset,
+    Job,
     LedgerEntry,
     LedgerTotal,
     create_db_engine,
@@ -160,4 +163,62 @@ def test_the_upgrade_to_running_sums_fills_them_from_the_rows(settings):
             assert 0 < cached.spent < cached.committed
         open_jobs = session.execute(select(LedgerTotal.job_id)).scalars().all()
         assert sorted(j for j in open_jobs if j is not None) == [3, 6]
+    engine.dispose()
+
+
+def test_the_upgrade_to_shapes_gives_an_old_plan_its_one_shape(settings):
+    """Revision 0006: a job planned before shapes existed gets the one it ran with — the
+    spec's batch size and epochs with the plan's q, T and σ — which is what the ledger charges
+    its attempts by from then on."""
+    engine = create_db_engine(settings.sqlalchemy_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0005")
+    spec = {"batch_size": 64, "epochs": 2}
+    plan = {
+        "sample_rate": 0.05,
+        "steps": 40,
+        "noise_multiplier": 1.5,
+        "gradient_noise_multiplier": 1.6,
+        "trial_epsilon": 0.9,
+        "validation_noise": None,
+    }
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
+                "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
+                "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                "(1, 'd', 'builtin:digits', '{}', 1280, 3, '[4]', false, 9, 1e-5, '', "
+                "CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
+                "accounting, status, created_at) VALUES (1, 1, 1, 'x', :spec, :plan, 'rdp', "
+                "'queued', CURRENT_TIMESTAMP)"
+            ),
+            {"spec": json.dumps(spec), "plan": json.dumps(plan)},
+        )
+    upgrade(engine)
+    with Session(engine) as session:
+        job = session.get(Job, 1)
+        [shape] = plan_shapes(job.plan)
+        assert shape_of([shape], {}) == shape
+        assert (shape.batch_size, shape.epochs, shape.steps, shape.noise_multiplier) == (
+            64,
+            2.0,
+            40,
+            1.5,
+        )
+        expected = accounting.trial_rdp(0.05, 1.5, 40)
+        assert np.array_equal(ledger.attempt_rdp(job, {}), expected)
     engine.dispose()

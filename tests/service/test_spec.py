@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from pydantic import ValidationError
 
 from core.config import DatasetConfig
+from core.shapes import Shape
 from core.spec import JobSpec
+
+
+def _shape(batch_size: int = 64, epochs: float = 1.0, sigma: float = 1.7) -> Shape:
+    return Shape(
+        batch_size=batch_size,
+        epochs=epochs,
+        sample_rate=0.1,
+        steps=10,
+        noise_multiplier=sigma,
+        gradient_noise_multiplier=sigma,
+        trial_epsilon=1.0,
+    )
 
 
 def test_trial_config_applies_candidate_and_planned_noise(spec):
@@ -19,10 +35,57 @@ def test_trial_config_applies_candidate_and_planned_noise(spec):
         }
     )
     dataset = DatasetConfig(source="builtin:digits")
-    cfg = job.trial_config(dataset, 1.7, 1e-5, {"optimizer.lr": 0.2, "method.clipping": "auto_s"})
+    params = {"optimizer.lr": 0.2, "method.clipping": "auto_s"}
+    cfg = job.trial_config(dataset, _shape(), 1e-5, params)
     assert (cfg.optimizer.lr, cfg.method.clipping, cfg.method.threshold) == (0.2, "auto_s", 1.0)
     assert (cfg.noise_multiplier, cfg.target_epsilon, cfg.delta) == (1.7, None, 1e-5)
     assert (cfg.batch_size, cfg.validation.noise) == (64, 20.0)
     assert job.optimizer.lr == 0.1  # the spec itself is unchanged
     with pytest.raises(ValueError, match="batch_size"):
-        job.trial_config(dataset, 1.7, 1e-5, {"batch_size": 8})
+        job.trial_config(dataset, _shape(), 1e-5, {"batch_size": 8})
+
+
+def test_trial_config_runs_the_candidates_shape(spec):
+    """A searched batch size and epochs come with the shape's planned σ."""
+    job = JobSpec.model_validate(
+        spec(1) | {"search_space": {"batch_size": {"grid": [32, 128]}, "epochs": {"grid": [2]}}}
+    )
+    cfg = job.trial_config(
+        DatasetConfig(source="builtin:digits"),
+        _shape(128, 2.0, 3.5),
+        1e-5,
+        {"batch_size": 128, "epochs": 2},
+    )
+    assert (cfg.batch_size, cfg.epochs, cfg.noise_multiplier) == (128, 2.0, 3.5)
+    with pytest.raises(ValueError, match="batch_size: 32 is not the shape's 128"):
+        job.trial_config(
+            DatasetConfig(source="builtin:digits"), _shape(128), 1e-5, {"batch_size": 32}
+        )
+
+
+@pytest.mark.parametrize(
+    ("accounting", "dimension", "message"),
+    [
+        ("rdp", {"values": [32, 64]}, "give {'grid': [...]} under 'rdp'"),
+        ("lt", {"grid": [32, 64]}, "give {'values': [...]} under 'lt'"),
+        ("ps", {"log_uniform": [32, 64]}, "give {'values': [...]} under 'ps'"),
+        ("rdp", {"grid": [32, 0]}, "bad value 0"),
+        ("rdp", {"grid": [32, 32]}, "values repeat"),
+    ],
+)
+def test_shape_dimensions_are_finite_sets_of_valid_values(spec, accounting, dimension, message):
+    privacy = {
+        "rdp": {"accounting": "rdp"},
+        "lt": {"accounting": "lt", "expected_trials": 3},
+        "ps": {"accounting": "ps", "mean": 3, "eta": 1},
+    }[accounting]
+    body = spec(1) | {"search_space": {"batch_size": dimension}}
+    body["privacy"] = {"epsilon": 1.0, **privacy}
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        JobSpec.model_validate(body)
+
+
+def test_too_many_shapes_are_refused(spec):
+    grid = {"batch_size": {"grid": list(range(8, 13))}, "epochs": {"grid": [1, 2, 3, 4]}}
+    with pytest.raises(ValidationError, match=r"search_space\.batch_size: 20 combinations"):
+        JobSpec.model_validate(spec(1) | {"search_space": grid})

@@ -4,10 +4,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from randomgen import AESCounter
 
 import workers.trial
 from core.config import TrialConfig
+from workers.data import Dataset
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.trial import main, run_trial
 
@@ -104,6 +106,17 @@ def test_heavy_tail_reports_group_accuracy_and_needs_private_validation():
     result = run_trial(config(**body, validation={"split": "private", "noise": 1.0})).result
     names = {m["name"] for m in result["metrics"]}
     assert {"train_accuracy_group0", "train_accuracy_group3"} <= names
+
+
+def test_training_metrics_cover_every_group_of_a_dataset_stored_by_class(monkeypatch):
+    """The training metrics read a bounded subset spread over the whole training set: its
+    first examples alone would hold only the most frequent class of heavy_tail's data."""
+    monkeypatch.setattr(workers.trial, "TRAIN_EVAL_EXAMPLES", 100)
+    y = torch.tensor([0] * 200 + [1] * 60 + [2] * 40)
+    data = Dataset("sorted", torch.randn(300, 4), y, 3, class_group=torch.tensor([0, 1, 2]))
+    rows = workers.trial._epoch_metrics(torch.nn.Linear(4, 3), data, 1)
+    names = {r["name"] for r in rows}
+    assert {f"train_accuracy_group{g}" for g in range(3)} <= names
 
 
 def test_cli_writes_result_and_rejects_bad_configs(tmp_path, capsys):

@@ -1,0 +1,92 @@
+"""Trial shapes: the batch size and epochs a trial runs with, and the noise each shape gets.
+
+Batch size B and epochs set a trial's sample rate q = B/N and its steps T, hence the noise σ it
+needs for a given ε. A job that searches them (``search_space.batch_size``, ``.epochs``) has
+one *shape* per combination, and the planner (``service.planning``) gives each shape its own σ
+so that every shape's trial costs the same ε. How the job is charged then depends on how its
+trials come to their shapes:
+
+- ``rdp``: the shapes are a grid, so each runs equally often (a grid product) and K trials
+  cost exactly the sum of their own curves: K times the shapes' mean curve.
+- ``lt`` / ``ps``: each trial draws its shape independently of the data, and releases it with
+  its model. Given the draw, the trial is that shape's mechanism, so its Rényi divergence is
+  ln E_s[exp((α − 1)·D_α(shape s))]/(α − 1) ≤ max_s D_α(shape s): the pointwise maximum of the
+  shapes' curves bounds every trial, and the random-stopping bounds apply to it (Papernot &
+  Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022, state theirs for
+  any mechanism with a given RDP curve; Liu–Talwar's for any (ε, δ)-DP trial).
+
+A job that searches neither has one shape: the spec's own B and epochs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.accounting import TrialMechanism
+
+#: the spec fields that set a trial's shape; searchable, each candidate getting its own σ
+SHAPE_PATHS = ("batch_size", "epochs")
+
+
+class Shape(BaseModel):
+    """One (B, epochs) a job's trials may run with, and the privacy the plan gives it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    batch_size: int = Field(ge=1)
+    epochs: float = Field(gt=0)
+    sample_rate: float = Field(gt=0, le=1)  # q = B / N
+    steps: int = Field(ge=1)  # T
+    noise_multiplier: float = Field(gt=0)  # σ of each DP-SGD step
+    gradient_noise_multiplier: float = Field(gt=0)  # σ_T left after an adaptive rule's share
+    trial_epsilon: float = Field(gt=0)  # one trial of this shape, at the job's δ
+
+    def mechanism(self, validation_noise: float | None) -> TrialMechanism:
+        return TrialMechanism(
+            sample_rate=self.sample_rate,
+            noise_multiplier=self.noise_multiplier,
+            steps=self.steps,
+            validation_noise=validation_noise,
+        )
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        """Whether a candidate's hyperparameters (search-space path → value) select this shape;
+        a path the candidate leaves out is not searched, so every shape shares it."""
+        return all(params[p] == getattr(self, p) for p in SHAPE_PATHS if p in params)
+
+
+def plan_shapes(plan: Mapping[str, Any]) -> list[Shape]:
+    """The shapes of a stored plan (``Plan.shapes``)."""
+    return [Shape.model_validate(s) for s in plan["shapes"]]
+
+
+def shape_of(shapes: Sequence[Shape], params: Mapping[str, Any]) -> Shape:
+    """The one shape a candidate runs with; ValueError when it names none, or is ambiguous."""
+    found = [s for s in shapes if s.matches(params)]
+    if len(found) != 1:
+        chosen = {p: params.get(p) for p in SHAPE_PATHS}
+        raise ValueError(f"{chosen} selects {len(found)} of the plan's {len(shapes)} shapes")
+    return found[0]
+
+
+def trial_curve(
+    shapes: Sequence[Shape], validation_noise: float | None, random_stopping: bool
+) -> np.ndarray:
+    """The curve that charges one trial of the job (see the module's docstring): the shapes'
+    mean for a fixed-K (grid) job, their pointwise maximum under random stopping."""
+    curves = np.stack([shape_curve(s, validation_noise) for s in shapes])
+    return np.asarray(curves.max(axis=0) if random_stopping else curves.mean(axis=0))
+
+
+@lru_cache(maxsize=1024)
+def shape_curve(shape: Shape, validation_noise: float | None) -> np.ndarray:
+    """One trial's RDP curve for a shape. Memoized (a curve costs about 0.2 s, and the ledger
+    charges each attempt by its shape's), read-only so that no caller changes the cached one."""
+    curve = shape.mechanism(validation_noise).rdp()
+    curve.setflags(write=False)
+    return curve
