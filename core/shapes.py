@@ -14,6 +14,8 @@ trials come to their shapes:
   shapes' curves bounds every trial, and the random-stopping bounds apply to it (Papernot &
   Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022, state theirs for
   any mechanism with a given RDP curve; Liu–Talwar's for any (ε, δ)-DP trial).
+- a search on a public ``proxy``: the one private trial runs the shape the public search chose,
+  also independently of the private data, so the same maximum bounds it.
 
 A job that searches neither has one shape: the spec's own B and epochs.
 """
@@ -75,12 +77,13 @@ def shape_of(shapes: Sequence[Shape], params: Mapping[str, Any]) -> Shape:
 
 
 def trial_curve(
-    shapes: Sequence[Shape], validation_noise: float | None, random_stopping: bool
+    shapes: Sequence[Shape], validation_noise: float | None, any_one: bool
 ) -> np.ndarray:
     """The curve that charges one trial of the job (see the module's docstring): the shapes'
-    mean for a fixed-K (grid) job, their pointwise maximum under random stopping."""
+    mean for a fixed-K grid, every shape running equally often; their pointwise maximum when a
+    trial may run ``any_one`` of them (random stopping, or a shape chosen on a proxy)."""
     curves = np.stack([shape_curve(s, validation_noise) for s in shapes])
-    return np.asarray(curves.max(axis=0) if random_stopping else curves.mean(axis=0))
+    return np.asarray(curves.max(axis=0) if any_one else curves.mean(axis=0))
 
 
 @lru_cache(maxsize=1024)

@@ -236,6 +236,9 @@ class JobSpec(Strict):
     #: rdp only: fixes the random draws of the search space (every trial is released and charged
     #: anyway). Random-stopping jobs draw their candidates from OS entropy, so it is refused.
     seed: int | None = Field(None, ge=0, lt=2**32)
+    #: a public dataset (registered ``public``) to search on: every candidate trains there, for
+    #: free, and only the best trains on ``dataset``, once — charged as one ``rdp`` trial
+    proxy: int | None = Field(None, ge=1, le=MAX_ID)
 
     @model_validator(mode="before")
     @classmethod
@@ -263,6 +266,11 @@ class JobSpec(Strict):
                 "random-stopping trials are drawn at random from a fixed prior (docs/design.md "
                 "invariant 6); use 'values' or 'log_uniform'"
             )
+        if self.proxy is not None and privacy.accounting != "rdp":
+            raise ValueError(
+                f"proxy: not allowed under {privacy.accounting!r}: the search on public data "
+                "is free and the one private run is charged as an 'rdp' trial"
+            )
         if self.seed is not None and privacy.accounting != "rdp":
             raise ValueError(
                 f"seed: not allowed under {privacy.accounting!r}: each trial draws its candidate "
@@ -275,8 +283,8 @@ class JobSpec(Strict):
                 f"search_space.{shaped[0]}: {len(self.shape_grid())} combinations of "
                 f"{' and '.join(shaped)} exceed {MAX_SHAPES} (each gets its own noise)"
             )
-        if self.trial_count() > MAX_TRIALS:
-            raise ValueError(f"search_space: {self.trial_count()} trials exceed {MAX_TRIALS}")
+        if self.candidate_count() > MAX_TRIALS:
+            raise ValueError(f"search_space: {self.candidate_count()} trials exceed {MAX_TRIALS}")
         return self
 
     def trial_config(
@@ -323,11 +331,17 @@ class JobSpec(Strict):
     def grid_size(self) -> int:
         return math.prod(len(d.grid) for d in self.search_space.values() if isinstance(d, Grid))
 
-    def trial_count(self) -> int:
-        """K under ``rdp`` (fixed); under ``lt``/``ps`` K is random and this returns 1."""
+    def candidate_count(self) -> int:
+        """Candidates of a fixed-K search: grid points × random draws (1 under ``lt``/``ps``,
+        whose K is random)."""
         if self.privacy.accounting != "rdp":
             return 1
         return self.grid_size() * (self.privacy.trials or 1)
+
+    def trial_count(self) -> int:
+        """Trials on the private data: every candidate under ``rdp``, the chosen one after a
+        search on a ``proxy``; 1 under ``lt``/``ps`` (K is random)."""
+        return 1 if self.proxy is not None else self.candidate_count()
 
 
 def _check_finite(value: Any, path: str) -> None:

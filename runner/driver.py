@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -31,7 +32,13 @@ from runner.client import ControlPlane
 from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
 from runner.summary import TrialLog, TrialRow, keep_alignment
-from runner.trainable import AttemptRecorder, JobContext, param_space, run_candidate
+from runner.trainable import (
+    AttemptRecorder,
+    JobContext,
+    param_space,
+    run_candidate,
+    run_on_proxy,
+)
 from workers.dp.randomness import SecureStream
 from workers.models import build_model, inspect_model
 
@@ -65,6 +72,7 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
         DatasetConfig.model_validate(job["dataset"]),
         k,
         cands,
+        None if job.get("proxy") is None else DatasetConfig.model_validate(job["proxy"]),
     )
 
 
@@ -98,15 +106,16 @@ def progress_reporter(ctx: JobContext) -> CLIReporter:
     )
 
 
-def _tune(ctx: JobContext, reuse: bool) -> list[TrialRow]:
+def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     """Run the trials; each one's row of the job's closing table, by trial index. With
     ``reuse`` a trial process that ends well runs the job's next trial (Tune's actor reuse:
     torch imported and the dataset read once per process, :func:`workers.data.load_cached`);
-    one whose trial failed or died is replaced, so a retry starts in a fresh process."""
+    one whose trial failed or died is replaced, so a retry starts in a fresh process. With
+    ``proxy`` the candidates train on the job's public proxy instead (:func:`_search_proxy`)."""
     resources = ctx.spec["resources"]
     retries = (
         0
-        if tuning_method(ctx.plan["method"]).random_stopping
+        if proxy or tuning_method(ctx.plan["method"]).random_stopping
         else ctx.spec["privacy"]["max_retries"]
     )
     # Tune's default reporter ignores ``progress_reporter`` and picks its columns itself (the
@@ -115,22 +124,41 @@ def _tune(ctx: JobContext, reuse: bool) -> list[TrialRow]:
     trials = TrialLog()
     tuner = tune.Tuner(
         tune.with_resources(
-            tune.with_parameters(run_candidate, ctx=ctx),
+            tune.with_parameters(run_on_proxy if proxy else run_candidate, ctx=ctx),
             {"cpu": resources["cpu"], "gpu": resources["gpu"]},
         ),
         param_space=param_space(ctx),
         tune_config=tune.TuneConfig(reuse_actors=reuse),
         run_config=tune.RunConfig(
-            name=f"dptune-job-{ctx.job_id}",
+            name=f"dptune-job-{ctx.job_id}" + ("-proxy" if proxy else ""),
             storage_path=str(ctx.data_dir / "ray_results"),
             failure_config=tune.FailureConfig(max_failures=retries),
-            callbacks=[AttemptRecorder(ctx), trials],
+            callbacks=[trials] if proxy else [AttemptRecorder(ctx), trials],
             progress_reporter=progress_reporter(ctx),
             verbose=1,
         ),
     )
     tuner.fit()
     return trials.rows
+
+
+def _search_proxy(ctx: JobContext, reuse: bool) -> JobContext:
+    """Search on the job's public proxy: every candidate trains there (free: no private data
+    is read), and the job goes on with the best by its score there as its one trial on the
+    private data — chosen from public data alone, so it costs nothing either (paper 001's
+    setting of tuning on public data; ``docs/design.md``, invariant 5). No candidate
+    finishing leaves nothing to train privately."""
+    rows = _tune(ctx, reuse, proxy=True)
+    scores = {r.index: r.score for r in rows if r.score is not None}
+    best = Selection.model_validate(ctx.spec["selection"]).best(scores)
+    log.info(
+        "proxy search: %d of %d candidates finished; best %s",
+        len(scores),
+        ctx.trials,
+        "none" if best is None else f"{ctx.candidates[best]} (score {scores[best]:.4g})",
+    )
+    chosen = [] if best is None else [ctx.candidates[best]]
+    return replace(ctx, trials=len(chosen), candidates=chosen)
 
 
 def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) -> int | None:
@@ -174,6 +202,9 @@ def run_job(job_id: int, settings: RunnerSettings) -> str:
         api.end("failed", refusal[:2000])  # the longest error the control plane records
         return "failed"
     ctx = _load(job_id, settings, api)
+    if ctx.proxy is not None:
+        api.start()  # running while it searches: nothing is charged before a private trial
+        ctx = _search_proxy(ctx, settings.reuse_processes)
     rows = _tune(ctx, settings.reuse_processes) if ctx.trials else []
     best = _release_best(ctx, {r.index: r.score for r in rows if r.score is not None}, api)
     state = "succeeded" if best is None else "released"

@@ -99,7 +99,7 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
         try:
             return shape_curve(shape_of(shapes, params), plan["validation_noise"])
         except ValueError:
-            return trial_curve(shapes, plan["validation_noise"], random_stopping=True)
+            return trial_curve(shapes, plan["validation_noise"], any_one=True)
 
     paths = list(ctx.spec["search_space"])
     table = Table(title=f"dptune job {ctx.job_id}: trials", box=box.ROUNDED, title_justify="left")

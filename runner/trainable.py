@@ -53,6 +53,7 @@ class JobContext:
     dataset: DatasetConfig
     trials: int
     candidates: list[Candidate] | None
+    proxy: DatasetConfig | None = None  # the public dataset a proxy search runs on
 
     def control_plane(self) -> ControlPlane:
         return _control_plane(self.control_url, self.token, self.job_id)
@@ -67,12 +68,15 @@ def _control_plane(url: str, token: str, job_id: int) -> ControlPlane:
     return ControlPlane(url, token, job_id)
 
 
-def trial_config(ctx: JobContext, params: Candidate) -> TrialConfig:
-    """A candidate's trial with the job's planned noise. All of its privacy randomness comes
-    from fresh OS entropy inside the trial (:mod:`workers.dp.randomness`)."""
+def trial_config(
+    ctx: JobContext, params: Candidate, dataset: DatasetConfig | None = None
+) -> TrialConfig:
+    """A candidate's trial with its shape's planned noise, on the job's dataset (or another:
+    its proxy). All of its privacy randomness comes from fresh OS entropy inside the trial
+    (:mod:`workers.dp.randomness`)."""
     shape = shape_of(plan_shapes(ctx.plan), params)
     return JobSpec.model_validate(ctx.spec).trial_config(
-        ctx.dataset, shape, ctx.plan["delta"], params
+        dataset or ctx.dataset, shape, ctx.plan["delta"], params
     )
 
 
@@ -151,6 +155,18 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         {"steps": result["steps"], **shown, "dp_score": result["score"]["value"]}
         | {"timings": timings | result["timings"]}
     )
+
+
+def run_on_proxy(config: dict[str, Any], ctx: JobContext) -> None:
+    """The Ray Tune trainable of a proxy search: one candidate trained on the job's public
+    proxy, as it would train on the private data (its shape's B, epochs and σ). It reads no
+    private data, so nothing is recorded with the control plane, nor charged; its score is
+    Tune's, and picks the candidate that then trains on the private data."""
+    assert ctx.proxy is not None
+    torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
+    params = config["trial"]["params"]
+    result = run_trial(trial_config(ctx, params, ctx.proxy), data_dir=ctx.data_dir).result
+    tune.report({"steps": result["steps"], "dp_score": result["score"]["value"]})
 
 
 class AttemptRecorder(tune.Callback):

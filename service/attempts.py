@@ -72,7 +72,8 @@ def _check_covered(job: Job, trial: Trial | None, index: int, params: dict[str, 
         shape = shape_of(shapes, trial.params if trial is not None else params)
     except ValueError as error:
         raise AttemptRefused(f"trial {index}: {error}") from None
-    if plan["attempts_reserved"] is not None and len(shapes) > 1:
+    grid = plan["attempts_reserved"] is not None and plan.get("proxy") is None
+    if grid and len(shapes) > 1:
         _check_shape_share(job, shapes, shape, plan["attempts_reserved"] // len(shapes))
     if trial is None:
         return

@@ -60,6 +60,13 @@ class TrialCount(BaseModel):
     eta: float | None = None
 
 
+class ProxySearch(BaseModel):
+    """A search on public data: ``trials`` candidates train on dataset ``dataset`` (free)."""
+
+    dataset: int
+    trials: int
+
+
 class Plan(BaseModel):
     """What the analyst sees before anything is reserved."""
 
@@ -80,6 +87,7 @@ class Plan(BaseModel):
     method: accounting.TuningMethod  # how the trials are charged: kind and parameters
     defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
     model: ModelReport | None = None  # an imported model's inspection (service.own_models)
+    proxy: ProxySearch | None = None  # the search on a public proxy, if any
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,18 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         raise PlanError(
             "dataset", f"dataset {dataset.id} awaits its data (uploaded by the operator)"
         )
+    if dataset.public:
+        raise PlanError(
+            "dataset", f"dataset {dataset.id} is public: search on it as a job's 'proxy'"
+        )
+    proxy = _proxy(spec, dataset, session)
     spec, defaults = recipes.fill(spec, dataset.n)
     privacy = spec.privacy
     delta, delta_default = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
         raise PlanError("privacy.delta", f"{delta} exceeds the dataset's δ {dataset.delta}")
     validation = spec.validation
-    if validation.split == "public" and not dataset.public_validation:
+    if validation.split == "public" and not all(d.public_validation for d in (dataset, *proxy)):
         raise PlanError(
             "validation.split", "the dataset has no public validation split; use 'private'"
         )
@@ -115,7 +128,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    trial = trial_curve(shapes, noise, method.random_stopping)
+    trial = trial_curve(shapes, noise, _any_one(spec, method))
     one = shapes[0] if len(shapes) == 1 else None
     plan = Plan(
         accounting=privacy.accounting,
@@ -132,9 +145,34 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         delta=delta,
         method=method,
         defaults=defaults | delta_default | method_defaults,
+        proxy=ProxySearch(dataset=spec.proxy, trials=spec.candidate_count()) if proxy else None,
     )
     reservation = method.charge(trial, delta, dataset.epsilon)
     return PlannedJob(plan=plan, reservation=reservation, spec=spec)
+
+
+def _proxy(spec: JobSpec, dataset: Dataset, session: Session) -> tuple[Dataset, ...]:
+    """The job's public proxy (none, or one): registered public, and shaped like the private
+    dataset, so that the candidate found there trains there as it did on the proxy."""
+    if spec.proxy is None:
+        return ()
+    proxy = session.get(Dataset, spec.proxy)
+    if proxy is None or not proxy.public:
+        raise PlanError("proxy", f"dataset {spec.proxy} is not registered as public")
+    if (proxy.input_shape, proxy.num_classes) != (dataset.input_shape, dataset.num_classes):
+        raise PlanError(
+            "proxy",
+            f"dataset {proxy.id} has inputs {proxy.input_shape} and {proxy.num_classes} classes, "
+            f"dataset {dataset.id} {dataset.input_shape} and {dataset.num_classes}",
+        )
+    if any(s["batch_size"] is not None and s["batch_size"] > proxy.n for s in spec.shape_grid()):
+        raise PlanError("batch_size", f"exceeds the proxy's {proxy.n} examples")
+    return (proxy,)
+
+
+def _any_one(spec: JobSpec, method: accounting.TuningMethod) -> bool:
+    """Whether a trial may run any one of the shapes (:func:`core.shapes.trial_curve`)."""
+    return method.random_stopping or spec.proxy is not None
 
 
 def _shapes(
@@ -160,7 +198,7 @@ def _shapes(
         sigmas = (_calibrate(q, steps, target, delta, method, noise),)
     else:
         geometry = tuple((q, steps) for _, _, q, steps in sizes)
-        sigmas = _shape_noise(geometry, target, delta, method, noise)
+        sigmas = _shape_noise(geometry, target, delta, method, noise, _any_one(spec, method))
     shapes = []
     for (batch_size, epochs, q, steps), sigma in zip(sizes, sigmas, strict=True):
         shapes.append(
@@ -184,9 +222,11 @@ def _shape_noise(
     delta: float,
     method: accounting.TuningMethod,
     noise: float | None,
+    any_one: bool,
 ) -> tuple[float, ...]:
     """σ of each shape (q, T), all calibrated to one per-trial ε at δ — the largest for which
-    the job (its trials charged by :func:`core.shapes.trial_curve`) costs at most ``target``.
+    the job (its trials charged by :func:`core.shapes.trial_curve`, ``any_one`` as there)
+    costs at most ``target``.
 
     The job's ε grows with the per-trial ε e, so e is found by a secant search on
     (ln e, ln ε_job), which is close to a line: it starts from the e that the first shape alone
@@ -210,7 +250,7 @@ def _shape_noise(
         curves = [
             _trial(q, sigma, steps, noise) for (q, steps), sigma in zip(sizes, sigmas, strict=True)
         ]
-        combined = np.max(curves, axis=0) if method.random_stopping else np.mean(curves, axis=0)
+        combined = np.max(curves, axis=0) if any_one else np.mean(curves, axis=0)
         return method.epsilon(combined, delta), sigmas
 
     best: tuple[float, ...] | None = None

@@ -68,6 +68,11 @@ class DatasetIn(BaseModel):
     )
     epsilon: float = Field(gt=0, le=100, description="lifetime budget ε")
     delta: float = Field(gt=0, lt=1, description="lifetime budget δ")
+    public: bool = Field(
+        False,
+        description="public data: jobs may tune on it as their `proxy` (free), never train on "
+        "it privately; its budget is never charged",
+    )
 
     @model_validator(mode="after")
     def _format_of_uploads(self) -> Self:
@@ -85,6 +90,7 @@ class DatasetOut(BaseModel):
     num_classes: int
     input_shape: list[int]
     public_validation: bool
+    public: bool = Field(description="public data, a proxy for tuning (`proxy` in a job spec)")
     awaiting_data: bool = Field(
         description="announced for upload, its file not received yet (n = 0): no job can use it"
     )
@@ -204,6 +210,7 @@ def register(
             num_classes=body.num_classes,
             input_shape=[],
             public_validation=False,
+            public=body.public,
             epsilon=body.epsilon,
             delta=body.delta,
             content_sha256="",
@@ -226,6 +233,7 @@ def register(
         num_classes=info.num_classes,
         input_shape=list(info.input_shape),
         public_validation=info.public_validation,
+        public=body.public,
         epsilon=body.epsilon,
         delta=body.delta,
         content_sha256=info.sha256,

@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from core.spec import MAX_ID
+from core.spec import MAX_ID, JobSpec
 from service.auth import Principal, authenticate
 from service.db import Dataset, Job
 from service.orchestration import Orchestrator
@@ -72,6 +72,14 @@ def visible_dataset(session: Session, caller: Principal, dataset_id: int) -> Dat
     if dataset is None or not caller.sees_dataset(dataset_id):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"dataset {dataset_id} not found")
     return dataset
+
+
+def job_dataset(session: Session, caller: Principal, spec: JobSpec) -> Dataset:
+    """The dataset a job trains on; 404 when it, or the job's proxy, is outside the caller's
+    scope."""
+    if spec.proxy is not None:
+        visible_dataset(session, caller, spec.proxy)
+    return visible_dataset(session, caller, spec.dataset)
 
 
 def visible_job(session: Session, caller: Principal, job_id: int) -> Job:

@@ -21,7 +21,7 @@ from service.api.deps import (
     OrchestratorDep,
     SessionDep,
     SettingsDep,
-    visible_dataset,
+    job_dataset,
     visible_job,
 )
 from service.api.errors import COMMON, field_error, responses
@@ -116,7 +116,7 @@ def submit(
 ) -> JobOut:
     """Plan the job and reserve its full cost in one transaction (409 when it does not fit;
     nothing is reserved). A repeated ``Idempotency-Key`` returns the first job."""
-    dataset = visible_dataset(session, caller, spec.dataset)
+    dataset = job_dataset(session, caller, spec)
     planned = plan_with_model(spec, dataset, session, settings)
     try:
         job, new = lifecycle.admit(session, caller, spec, planned, idempotency_key)

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from core.spec import JobSpec
 from service import ledger
-from service.api.deps import Caller, SessionDep, SettingsDep, visible_dataset
+from service.api.deps import Caller, SessionDep, SettingsDep, job_dataset
 from service.api.errors import COMMON, responses
 from service.own_models import plan_with_model
 from service.planning import Plan
@@ -24,7 +24,7 @@ class PlanOut(Plan):
 @router.post("", responses=responses(404))
 def plan(spec: JobSpec, session: SessionDep, caller: Caller, settings: SettingsDep) -> PlanOut:
     """What the job would cost, and the inspection of an imported model (``model``)."""
-    dataset = visible_dataset(session, caller, spec.dataset)
+    dataset = job_dataset(session, caller, spec)
     planned = plan_with_model(spec, dataset, session, settings)
     now = ledger.budget(session, dataset)
     after = ledger.budget(session, dataset, plus=ledger.amount(planned.reservation))

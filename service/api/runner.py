@@ -83,6 +83,7 @@ class JobContextOut(BaseModel):
     spec: dict[str, Any]
     plan: dict[str, Any]
     dataset: dict[str, Any]
+    proxy: dict[str, Any] | None = None  # the public dataset the job searches on, if any
 
 
 def _finite(value: Any) -> Any:
@@ -163,11 +164,13 @@ def context(job_id: RunnerJob, session: SessionDep) -> JobContextOut:
     job = _job(session, job_id)
     dataset = session.get(Dataset, job.dataset_id)
     assert dataset is not None
+    proxy = session.get(Dataset, job.spec["proxy"]) if job.spec.get("proxy") else None
     return JobContextOut(
         job_id=job.id,
         spec=job.spec,
         plan=job.plan,
         dataset=dataset_config(dataset).model_dump(mode="json"),
+        proxy=None if proxy is None else dataset_config(proxy).model_dump(mode="json"),
     )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     event,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -93,6 +94,9 @@ class Dataset(Base):
     num_classes: Mapped[int]
     input_shape: Mapped[list[Any]]
     public_validation: Mapped[bool]
+    #: public data (the operator's declaration): never trained on privately, only searched on
+    #: as a proxy whose best candidate then trains once on a private dataset (invariant 5)
+    public: Mapped[bool] = mapped_column(default=False, server_default=false())
     epsilon: Mapped[float] = mapped_column(Float)  # lifetime budget
     delta: Mapped[float] = mapped_column(Float)
     #: SHA-256 of the data at registration: trials refuse data that changed since (the plan's

@@ -143,6 +143,37 @@ def test_a_search_over_batch_size_runs_each_shape_with_its_own_noise(service, di
     )
 
 
+def test_a_proxy_search_trains_once_on_the_private_data(service, digits) -> None:
+    """Every candidate trains on a public proxy; only the best trains on the private dataset,
+    charged one trial of its shape."""
+    public = service.post(
+        "/v1/datasets",
+        {"name": "digits-public", "source": "builtin:digits", "epsilon": 1.0, "delta": 1e-5}
+        | {"public": True},
+    )["id"]
+    spec = small_job(digits) | {"proxy": public}
+    spec["search_space"] = {
+        "method.threshold": {"grid": [0.5, 2.0]},
+        "batch_size": {"grid": [32, 128]},
+    }
+    job = service.post("/v1/jobs", spec)
+    done = service.wait(job["id"])
+    log = service.orchestrator.logs(job["id"])
+    assert done["status"] == "released", log[-5000:]
+    assert "proxy search: 4 of 4 candidates finished" in log
+    [trial] = service.get(f"/v1/jobs/{job['id']}/trials")
+    assert trial["released"] and trial["index"] == 0 and len(trial["attempts"]) == 1
+    shape = next(
+        s for s in job["plan"]["shapes"] if s["batch_size"] == trial["params"]["batch_size"]
+    )
+    assert trial["steps"] == shape["steps"]
+    curve = rdp_curve(shape["sample_rate"], shape["noise_multiplier"], shape["steps"])
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    assert budget["spent"] == pytest.approx(epsilon_from_rdp(curve, 1e-5)[0], rel=1e-9)
+    assert budget["spent"] <= job["plan"]["epsilon"] <= 2.0
+    assert service.get(f"/v1/datasets/{public}/budget")["spent"] == 0.0
+
+
 def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     """A trial process killed mid-training (kill -9, from outside: no hook in the product)
     is retried, and both of its attempts are charged."""
