@@ -28,6 +28,7 @@ from sqlalchemy import Select, String, and_, cast, not_, or_, select
 from sqlalchemy.orm import Session, object_session
 
 from core import accounting
+from core.shapes import plan_shapes, shape_of
 from core.spec import Selection
 from service import ledger
 from service.auth import Principal
@@ -113,7 +114,19 @@ def hold_until(job: Job) -> datetime | None:
     end = first.ended_at or job.finished_at
     if end is None:
         return None
-    return job.started_at + job.plan["trials"]["max"] * (end - first.started_at)
+    return job.started_at + job.plan["trials"]["max"] * _slowest(job, first) * (
+        end - first.started_at
+    )
+
+
+def _slowest(job: Job, first: TrialAttempt) -> float:
+    """How many times trial 0's steps the longest shape runs (1 unless the job searches batch
+    size or epochs): each trial is timed as if it ran the most steps any shape has, so that
+    the hold does not end sooner for a trial 0 that drew a short shape."""
+    shapes = plan_shapes(job.plan)
+    trial = _session(job).get(Trial, first.trial_id)
+    assert trial is not None
+    return max(s.steps for s in shapes) / shape_of(shapes, trial.params).steps
 
 
 def _outcome_shown(job: Job, caller: Principal) -> bool:

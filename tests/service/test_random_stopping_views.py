@@ -323,6 +323,40 @@ def test_hold_release(fresh, spec, monkeypatch):
     assert shown["model"][0] == 200
 
 
+def test_hold_release_times_trials_at_the_longest_shape(fresh, spec, monkeypatch):
+    """Attack: with batch size searched, trial 0 may draw a short shape; holding only for cap ×
+    its duration would end the hold before a job of many long trials ends, and the time the
+    model appears would tell K. The hold scales trial 0 to the longest shape's steps."""
+    svc = fresh("shapes")
+    body = lt_spec(spec, svc.dataset, hold_release=True)
+    body["search_space"] = {"batch_size": {"values": [32, 128]}}
+    job_id = svc.submit(body)
+    set_state(svc, job_id, JobState.RUNNING)
+    short = {"batch_size": 128}
+    run_trial(svc, job_id, 0, short, 0.5)
+    run_trial(svc, job_id, 1, {"batch_size": 32}, BEST_SCORE)
+    release(svc, job_id, 1)
+    plan = svc.client.get(f"/v1/jobs/{job_id}", headers=svc.operator).json()["plan"]
+    steps = {s["batch_size"]: s["steps"] for s in plan["shapes"]}
+    assert steps[32] > 3 * steps[128]
+    started = _hold_until(svc, job_id) - plan["trials"]["max"] * _first_duration(svc, job_id)
+    until = started + plan["trials"]["max"] * _first_duration(svc, job_id) * (
+        steps[32] / steps[128]
+    )
+    monkeypatch.setattr(visibility, "now", lambda: until - timedelta(microseconds=2))
+    assert analyst_view(svc, job_id)["job"]["status"] == "running"
+    monkeypatch.setattr(visibility, "now", lambda: until + timedelta(microseconds=2))
+    assert analyst_view(svc, job_id)["job"]["status"] == "released"
+
+
+def _first_duration(svc: Service, job_id: int) -> timedelta:
+    first = svc.client.get(f"/v1/jobs/{job_id}/trials", headers=svc.operator).json()[0]
+    attempt = first["attempts"][0]
+    return datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(
+        attempt["started_at"]
+    )
+
+
 def test_hold_without_trial_zero_shows_the_end(fresh, spec):
     """K = 0 (Poisson K under ps): no trial to time, so the job is not held; it shows as
     failed — the mechanism's output for K = 0."""
