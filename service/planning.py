@@ -122,12 +122,15 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     method, method_defaults = _tuning_method(spec, dataset, delta)
     noise = validation.noise if validation.split == "private" else None
     try:
-        shapes = _shapes(spec, dataset.n, delta, method, noise)
+        sized = _sized_shapes(spec, dataset.n, delta, method, noise)
     except PlanError:
         raise
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
+    spec, histogram_default = recipes.fill_histogram_noise(spec, max(s[-1] for s in sized))
+    defaults |= histogram_default
+    shapes = [_shape(spec, size, delta, noise) for size in sized]
     trial = trial_curve(shapes, noise, _any_one(spec, method))
     one = shapes[0] if len(shapes) == 1 else None
     plan = Plan(
@@ -175,13 +178,17 @@ def _any_one(spec: JobSpec, method: accounting.TuningMethod) -> bool:
     return method.random_stopping or spec.proxy is not None
 
 
-def _shapes(
+#: a shape before its noise is split: (batch size, epochs, q, T, σ)
+Sized = tuple[int, float, float, int, float]
+
+
+def _sized_shapes(
     spec: JobSpec,
     n: int,
     delta: float,
     method: accounting.TuningMethod,
     noise: float | None,
-) -> list[Shape]:
+) -> list[Sized]:
     """Each (batch_size, epochs) of the spec with its q, T and planned σ."""
     sizes = []
     for shape in spec.shape_grid():
@@ -195,24 +202,24 @@ def _shapes(
     target = spec.privacy.epsilon
     if len(sizes) == 1:
         [(_, _, q, steps)] = sizes
-        sigmas = (_calibrate(q, steps, target, delta, method, noise),)
+        sigmas: tuple[float, ...] = (_calibrate(q, steps, target, delta, method, noise),)
     else:
         geometry = tuple((q, steps) for _, _, q, steps in sizes)
         sigmas = _shape_noise(geometry, target, delta, method, noise, _any_one(spec, method))
-    shapes = []
-    for (batch_size, epochs, q, steps), sigma in zip(sizes, sigmas, strict=True):
-        shapes.append(
-            Shape(
-                batch_size=batch_size,
-                epochs=epochs,
-                sample_rate=q,
-                steps=steps,
-                noise_multiplier=sigma,
-                gradient_noise_multiplier=_gradient_noise(spec, batch_size, sigma),
-                trial_epsilon=accounting.epsilon_from_rdp(_trial(q, sigma, steps, noise), delta)[0],
-            )
-        )
-    return shapes
+    return [(*size, sigma) for size, sigma in zip(sizes, sigmas, strict=True)]
+
+
+def _shape(spec: JobSpec, sized: Sized, delta: float, noise: float | None) -> Shape:
+    batch_size, epochs, q, steps, sigma = sized
+    return Shape(
+        batch_size=batch_size,
+        epochs=epochs,
+        sample_rate=q,
+        steps=steps,
+        noise_multiplier=sigma,
+        gradient_noise_multiplier=_gradient_noise(spec, batch_size, sigma),
+        trial_epsilon=accounting.epsilon_from_rdp(_trial(q, sigma, steps, noise), delta)[0],
+    )
 
 
 @lru_cache(maxsize=64)

@@ -41,6 +41,11 @@ ADAM_LR = 1e-2
 SGD_LR = 0.5
 
 
+#: DC-SGD's histogram noise, when the spec leaves it out: σ_H = max(minimum, ratio·σ)
+HISTOGRAM_NOISE_MIN = 5.0
+HISTOGRAM_NOISE_RATIO = 4.0
+
+
 def batch_size(n: int) -> int:
     """The power of two nearest below q·N, within [MIN_BATCH, MAX_BATCH] and at most N."""
     b = 2 ** math.floor(math.log2(max(SAMPLE_RATE * n, 1)))
@@ -107,3 +112,28 @@ def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str
         f"{lr:g} = {SGD_LR:g}/C with C = {method.threshold:g}: Abadi clipping bounds the update "
         "by C, so SGD's rate is scaled by 1/C."
     )
+
+
+def fill_histogram_noise(spec: JobSpec, sigma: float) -> tuple[JobSpec, dict[str, str]]:
+    """DC-SGD's σ_H, when the spec leaves it out, for a job whose largest planned σ is
+    ``sigma``. The histogram's noise is paid out of σ (σ_T = (σ⁻² − σ_H⁻²)^(−1/2), paper 001,
+    Theorem 2), so σ_H must exceed σ, and the gradient keeps nearly all of σ only if σ_H is
+    well above it: paper 001 (§VI-B) raises it from 5 to 8 for 2 ≤ σ ≤ 3 and to 12 for σ > 3.
+    We take max(5, 4σ): σ_T ≤ 1.033·σ whatever σ is."""
+    adaptive = spec.method.adaptive
+    if (
+        adaptive is None
+        or adaptive.rule not in ("dcsgd_p", "dcsgd_e")
+        or "histogram_noise" in adaptive.model_fields_set
+    ):
+        return spec, {}
+    value = max(HISTOGRAM_NOISE_MIN, HISTOGRAM_NOISE_RATIO * sigma)
+    method = spec.method.model_copy(
+        update={"adaptive": adaptive.model_copy(update={"histogram_noise": value})}
+    )
+    why = (
+        f"{value:.4g} = max({HISTOGRAM_NOISE_MIN:g}, {HISTOGRAM_NOISE_RATIO:g}σ) with σ = "
+        f"{sigma:.4g}: the histogram's noise comes out of σ, so σ_H well above σ leaves the "
+        "gradient nearly all of it (σ_T ≤ 1.033σ; paper 001 §VI-B raises σ_H with σ likewise)."
+    )
+    return spec.model_copy(update={"method": method}), {"method.adaptive.histogram_noise": why}

@@ -23,7 +23,7 @@ from core.spec import JobSpec
 from service import recipes
 from service.api import create_app
 from service.db import Dataset
-from service.planning import SHAPES_TOLERANCE, plan_job
+from service.planning import SHAPES_TOLERANCE, PlanError, plan_job
 
 from .conftest import OPERATOR_KEY, Api, bearer, make_spec
 from .test_runner_api import RecordingOrchestrator
@@ -168,3 +168,24 @@ def test_the_runner_runs_only_planned_shapes_and_is_charged_each_ones_curve(runs
     alone = _composed_epsilon([shape], 1e-5, validation=20.0)
     assert charges[0]["epsilon"] == pytest.approx(alone, rel=1e-9)
     assert shape_of(plan_shapes(job["plan"]), {"batch_size": 128}) == shape
+
+
+def test_dcsgd_gets_a_histogram_noise_its_sigma_leaves_room_for():
+    """Under lt a one-run DC-SGD job needs σ ≈ 6 for ε = 4; the old fixed σ_H = 5 was below it
+    and refused the job (bench/tuning_accuracy.py). Left out, σ_H is now max(5, 4σ)."""
+    body = make_spec(1, 4.0, accounting="lt", expected_trials=1, delta=5e-6)
+    body["validation"] = {"split": "public"}
+    body["search_space"] = {}
+    body["method"]["adaptive"] = {"rule": "dcsgd_p"}
+    body |= {"batch_size": 256, "epochs": 36}  # the recipe's, on digits
+    planned = plan_job(JobSpec.model_validate(body), _dataset(), None)
+    sigma, sigma_t = planned.plan.noise_multiplier, planned.plan.gradient_noise_multiplier
+    assert sigma > 5
+    histogram = planned.spec.method.adaptive.histogram_noise
+    assert histogram == pytest.approx(4 * sigma)
+    assert sigma_t**-2 + histogram**-2 == pytest.approx(sigma**-2)  # paper 001, Theorem 2
+    assert sigma_t <= 1.033 * sigma
+    assert "method.adaptive.histogram_noise" in planned.plan.defaults
+    body["method"]["adaptive"]["histogram_noise"] = 5.0  # given: kept, and refused
+    with pytest.raises(PlanError, match="histogram_noise"):
+        plan_job(JobSpec.model_validate(body), _dataset(), None)
