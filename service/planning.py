@@ -128,8 +128,8 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    spec, histogram_default = recipes.fill_histogram_noise(spec, max(s[-1] for s in sized))
-    defaults |= histogram_default
+    spec, release_default = recipes.fill_release_noise(spec, [(s[0], s[-1]) for s in sized])
+    defaults |= release_default
     shapes = [_shape(spec, size, delta, noise) for size in sized]
     trial = trial_curve(shapes, noise, _any_one(spec, method))
     one = shapes[0] if len(shapes) == 1 else None

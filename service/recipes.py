@@ -41,9 +41,10 @@ ADAM_LR = 1e-2
 SGD_LR = 0.5
 
 
-#: DC-SGD's histogram noise, when the spec leaves it out: σ_H = max(minimum, ratio·σ)
+#: an adaptive rule's release noise, when the spec leaves it out: at least this many times σ
+#: (and DC-SGD's σ_H at least its paper default)
+RELEASE_RATIO = 4.0
 HISTOGRAM_NOISE_MIN = 5.0
-HISTOGRAM_NOISE_RATIO = 4.0
 
 
 def batch_size(n: int) -> int:
@@ -114,26 +115,39 @@ def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str
     )
 
 
-def fill_histogram_noise(spec: JobSpec, sigma: float) -> tuple[JobSpec, dict[str, str]]:
-    """DC-SGD's σ_H, when the spec leaves it out, for a job whose largest planned σ is
-    ``sigma``. The histogram's noise is paid out of σ (σ_T = (σ⁻² − σ_H⁻²)^(−1/2), paper 001,
-    Theorem 2), so σ_H must exceed σ, and the gradient keeps nearly all of σ only if σ_H is
-    well above it: paper 001 (§VI-B) raises it from 5 to 8 for 2 ≤ σ ≤ 3 and to 12 for σ > 3.
-    We take max(5, 4σ): σ_T ≤ 1.033·σ whatever σ is."""
+def fill_release_noise(
+    spec: JobSpec, shapes: list[tuple[int, float]]
+) -> tuple[JobSpec, dict[str, str]]:
+    """The noise of an adaptive rule's per-step release, when the spec leaves it out, for a
+    job whose shapes run (batch size, σ). The release is paid out of σ (σ_T = (σ⁻² −
+    σ_R⁻²)^(−1/2), paper 001, Theorem 2), so σ_R must exceed σ, and the gradient keeps nearly
+    all of σ only if σ_R is well above it: paper 001 (§VI-B) raises DC-SGD's σ_H from 5 to 8 for
+    2 ≤ σ ≤ 3 and to 12 for σ > 3. We take σ_R ≥ 4σ (σ_T ≤ 1.033·σ whatever σ is): DC-SGD's
+    σ_H = max(5, 4σ); Andrew et al.'s count noise σ_b (σ_R = 2σ_b) stays B/20 unless that is
+    below 2σ for some shape, and is then 2σ."""
     adaptive = spec.method.adaptive
-    if (
-        adaptive is None
-        or adaptive.rule not in ("dcsgd_p", "dcsgd_e")
-        or "histogram_noise" in adaptive.model_fields_set
-    ):
+    sigma = max(s for _, s in shapes)
+    if adaptive is None:
         return spec, {}
-    value = max(HISTOGRAM_NOISE_MIN, HISTOGRAM_NOISE_RATIO * sigma)
-    method = spec.method.model_copy(
-        update={"adaptive": adaptive.model_copy(update={"histogram_noise": value})}
-    )
+    if (
+        adaptive.rule in ("dcsgd_p", "dcsgd_e")
+        and "histogram_noise" not in adaptive.model_fields_set
+    ):
+        field, value = "histogram_noise", max(HISTOGRAM_NOISE_MIN, RELEASE_RATIO * sigma)
+        rule = f"max({HISTOGRAM_NOISE_MIN:g}, {RELEASE_RATIO:g}σ)"
+    elif (
+        adaptive.rule == "andrew"
+        and adaptive.count_noise is None
+        and any(b / 20 < RELEASE_RATIO * s / 2 for b, s in shapes)
+    ):
+        field, value = "count_noise", RELEASE_RATIO * sigma / 2
+        rule = f"{RELEASE_RATIO / 2:g}σ, above B/20"
+    else:
+        return spec, {}
+    method = spec.method.model_copy(update={"adaptive": adaptive.model_copy(update={field: value})})
     why = (
-        f"{value:.4g} = max({HISTOGRAM_NOISE_MIN:g}, {HISTOGRAM_NOISE_RATIO:g}σ) with σ = "
-        f"{sigma:.4g}: the histogram's noise comes out of σ, so σ_H well above σ leaves the "
-        "gradient nearly all of it (σ_T ≤ 1.033σ; paper 001 §VI-B raises σ_H with σ likewise)."
+        f"{value:.4g} = {rule} with σ = {sigma:.4g}: the release's noise comes out of σ, so "
+        "keeping it well above σ leaves the gradient nearly all of σ (σ_T ≤ 1.033σ; paper 001 "
+        "§VI-B raises σ_H with σ likewise)."
     )
-    return spec.model_copy(update={"method": method}), {"method.adaptive.histogram_noise": why}
+    return spec.model_copy(update={"method": method}), {f"method.adaptive.{field}": why}

@@ -189,3 +189,23 @@ def test_dcsgd_gets_a_histogram_noise_its_sigma_leaves_room_for():
     body["method"]["adaptive"]["histogram_noise"] = 5.0  # given: kept, and refused
     with pytest.raises(PlanError, match="histogram_noise"):
         plan_job(JobSpec.model_validate(body), _dataset(), None)
+
+
+def test_andrews_count_noise_leaves_room_for_sigma_too():
+    """Andrew et al.'s count noise B/20 = 12.8 (B = 256) was below the σ ≈ 22 of a one-run lt
+    job at ε = 1, which refused it; left out, it is now 2σ when B/20 is below that."""
+    body = make_spec(1, 1.0, accounting="lt", expected_trials=1, delta=5e-6)
+    body["validation"] = {"split": "public"}
+    body["search_space"] = {}
+    body["method"]["adaptive"] = {"rule": "andrew"}
+    body |= {"batch_size": 256, "epochs": 36}
+    planned = plan_job(JobSpec.model_validate(body), _dataset(), None)
+    sigma = planned.plan.noise_multiplier
+    count = planned.spec.method.adaptive.count_noise
+    assert 2 * sigma > 256 / 20 and count == pytest.approx(2 * sigma)
+    assert planned.plan.gradient_noise_multiplier <= 1.033 * sigma
+    body["privacy"]["epsilon"] = 50.0  # σ small: B/20 is ample and stays the default
+    assert (
+        plan_job(JobSpec.model_validate(body), _dataset(), None).spec.method.adaptive.count_noise
+        is None
+    )
