@@ -110,7 +110,7 @@ def fill(sessions: sessionmaker, dataset_id: int, rows: int, seed: int = 0) -> i
         template = session.get(Job, _admit(session, principal, spec, planned))
         lifecycle.apply_state(session, template.id, JobState.CANCELLED)
         reservation = ledger.amount(planned.reservation)
-        trial = ledger.amount(accounting.Charge(rdp=ledger.trial_rdp(template)))
+        trial = ledger.amount(accounting.Charge(rdp=ledger.attempt_rdp(template, {})))
         written, jobs = 2, 1
         while written < rows - 2 * OPEN_JOBS:
             locked_dataset(session, dataset_id)
