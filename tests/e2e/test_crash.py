@@ -97,7 +97,9 @@ def test_a_killed_service_restarts_and_its_job_completes(ray_head, tmp_path) -> 
             {"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
         )["id"]
         spec = small_job(dataset)
-        spec["epochs"] = 10
+        # long enough to be seen training: both trials of 10 epochs once ran between two polls
+        # of ``wait`` (1 s apart), and the job ended before the service was killed
+        spec["epochs"] = 80
         job = service.post("/v1/jobs", spec)
         try:
 
