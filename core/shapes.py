@@ -82,8 +82,14 @@ def trial_curve(
     """The curve that charges one trial of the job (see the module's docstring): the shapes'
     mean for a fixed-K grid, every shape running equally often; their pointwise maximum when a
     trial may run ``any_one`` of them (random stopping, or a shape chosen on a proxy)."""
-    curves = np.stack([shape_curve(s, validation_noise) for s in shapes])
-    return np.asarray(curves.max(axis=0) if any_one else curves.mean(axis=0))
+    return combine([shape_curve(s, validation_noise) for s in shapes], any_one)
+
+
+def combine(curves: Sequence[np.ndarray], any_one: bool) -> np.ndarray:
+    """One trial's charging curve from its shapes' curves: their pointwise maximum when a
+    trial may run ``any_one`` of them, else their mean (see :func:`trial_curve`)."""
+    stacked = np.stack(curves)
+    return np.asarray(stacked.max(axis=0) if any_one else stacked.mean(axis=0))
 
 
 @lru_cache(maxsize=1024)

@@ -27,7 +27,7 @@ from core import accounting
 from core.config import ModelReport
 from core.noise import gradient_noise
 from core.sampling import num_steps
-from core.shapes import Shape, trial_curve
+from core.shapes import Shape, combine, trial_curve
 from core.spec import MAX_TRIALS, JobSpec, Privacy
 from service import ledger, recipes
 from service.db import Dataset
@@ -257,8 +257,7 @@ def _shape_noise(
         curves = [
             _trial(q, sigma, steps, noise) for (q, steps), sigma in zip(sizes, sigmas, strict=True)
         ]
-        combined = np.max(curves, axis=0) if any_one else np.mean(curves, axis=0)
-        return method.epsilon(combined, delta), sigmas
+        return method.epsilon(combine(curves, any_one), delta), sigmas
 
     best: tuple[float, ...] | None = None
     seen: list[tuple[float, float]] = []

@@ -11,7 +11,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, select, text
+from sqlalchemy import Connection, Engine, inspect, select, text
 from sqlalchemy.orm import Session
 
 from core import accounting
@@ -48,23 +48,33 @@ def test_migrations_match_models(settings):
     engine.dispose()
 
 
-def test_an_upgrade_keeps_every_row(settings):
-    """Upgrading a database that holds data keeps all of it. On SQLite, Alembic's batch mode
-    rebuilds a table (copy, drop, rename): with foreign keys enforced, dropping ``dataset``
-    cascaded to the analysts' dataset scopes, or failed once a job referred to it."""
+def _at_revision(settings, revision: str) -> Engine:
+    """A fresh database migrated up to ``revision`` only."""
     engine = create_db_engine(settings.sqlalchemy_url)
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:
         config.attributes["connection"] = conn
-        command.upgrade(config, "0001")
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
-                "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
-            )
+        command.upgrade(config, revision)
+    return engine
+
+
+def _analyst_key(conn: Connection) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
+            "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
         )
+    )
+
+
+def test_an_upgrade_keeps_every_row(settings):
+    """Upgrading a database that holds data keeps all of it. On SQLite, Alembic's batch mode
+    rebuilds a table (copy, drop, rename): with foreign keys enforced, dropping ``dataset``
+    cascaded to the analysts' dataset scopes, or failed once a job referred to it."""
+    engine = _at_revision(settings, "0001")
+    with engine.begin() as conn:
+        _analyst_key(conn)
         conn.execute(
             text(
                 "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
@@ -93,12 +103,7 @@ def test_an_upgrade_keeps_every_row(settings):
 def test_the_upgrade_to_running_sums_fills_them_from_the_rows(settings):
     """Revision 0005 computes, from the ledger rows already there, the running sums that the
     service would have kept: the budget read from them is the all-rows budget, to the bit."""
-    engine = create_db_engine(settings.sqlalchemy_url)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "0004")
+    engine = _at_revision(settings, "0004")
     rng = np.random.default_rng(5)
     orders = len(accounting.ORDERS)
     rows, jobs = [], []
@@ -114,12 +119,7 @@ def test_the_upgrade_to_running_sums_fills_them_from_the_rows(settings):
             rows.append(("release", job, reserved * rng.uniform(0, 0.5)))
     rng.shuffle(rows)
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
-                "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
-            )
-        )
+        _analyst_key(conn)
         for dataset in (1, 2):
             conn.execute(
                 text(
@@ -170,12 +170,7 @@ def test_the_upgrade_to_shapes_gives_an_old_plan_its_one_shape(settings):
     """Revision 0006: a job planned before shapes existed gets the one it ran with — the
     spec's batch size and epochs with the plan's q, T and σ — which is what the ledger charges
     its attempts by from then on."""
-    engine = create_db_engine(settings.sqlalchemy_url)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "0005")
+    engine = _at_revision(settings, "0005")
     spec = {"batch_size": 64, "epochs": 2}
     plan = {
         "sample_rate": 0.05,
@@ -186,12 +181,7 @@ def test_the_upgrade_to_shapes_gives_an_old_plan_its_one_shape(settings):
         "validation_noise": None,
     }
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO api_key (id, name, role, secret_sha256, created_at) "
-                "VALUES (1, 'ana', 'analyst', 'x', CURRENT_TIMESTAMP)"
-            )
-        )
+        _analyst_key(conn)
         conn.execute(
             text(
                 "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
