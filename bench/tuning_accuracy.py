@@ -34,9 +34,13 @@ clipping) tuned over the threshold grid C ∈ {0.1 0.2 0.5 0.8 1 2 4 6 8 10}; DC
 p is not a searchable field of the product), DC-SGD-E, AUTO-S, Andrew et al. and Du et al. in
 one run each, at their defaults (paper 001 also tunes Du's C₀ and ρ_C, and Andrew's p and η_C:
 left out for time; ``Method({"adaptive": {"rule": "du"}}, {"method.threshold": THRESHOLDS})``
-would tune C₀); and the search over batch size and epochs ("shape"), at C = 1. The learning
-rate is not searched (paper 001 searches it too; here it is fixed per dataset).
-Each method is charged three ways:
+would tune C₀); the search over batch size and epochs ("shape"), at C = 1; "recipe": one run
+of DP-SGD at C = 1 whose spec leaves out ``batch_size``, ``epochs`` and ``optimizer.lr`` for
+the planner's recipes (``service/recipes.py``); and "proxy": DP-SGD's threshold grid searched
+on a public proxy (the dataset's public validation part, registered with ``public: true``),
+the best candidate then trained once on the private data (``rdp`` only: the product refuses a
+proxy under ``lt``/``ps``). The learning rate is not searched (paper 001 searches it too;
+here it is fixed per dataset). Each method is charged three ways:
 
 - ``rdp``: a grid search, K = grid size (one-run methods: K = 1);
 - ``lt``: Liu–Talwar random stopping over the same candidates drawn uniformly at random
@@ -108,6 +112,10 @@ class Method:
 
     method: dict[str, Any]
     search: dict[str, list[Any]] = field(default_factory=dict)
+    #: spec paths left out, for the planner's recipes to fill in (``service/recipes.py``)
+    recipe: tuple[str, ...] = ()
+    #: search on the dataset's public validation part as the job's public ``proxy`` (rdp only)
+    proxy: bool = False
 
     def candidates(self) -> list[dict[str, Any]]:
         """Every point of the search grid (one empty point for a one-run method)."""
@@ -128,6 +136,10 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
             {"clipping": "abadi", "threshold": 1.0},
             shapes or {"batch_size": [64, 128, 256], "epochs": [5, 15, 30]},
         ),
+        "recipe": Method(
+            {"clipping": "abadi", "threshold": 1.0}, recipe=("batch_size", "epochs", "optimizer.lr")
+        ),
+        "proxy": Method({"clipping": "abadi"}, {"method.threshold": thresholds}, proxy=True),
     }
 
 
@@ -149,6 +161,11 @@ class Split:
     def save(self, path: Path) -> None:
         """The product's part only: train and public validation."""
         np.savez(path, x=self.x, y=self.y, x_val=self.x_val, y_val=self.y_val)
+
+    def save_public(self, path: Path) -> None:
+        """The public validation part alone, as a public proxy dataset: it trains there and is
+        scored on the same rows (too few to split; DP training hardly overfits)."""
+        np.savez(path, x=self.x_val, y=self.y_val, x_val=self.x_val, y_val=self.y_val)
 
 
 def split(
@@ -251,10 +268,11 @@ def job_spec(
     epsilon: float,
     seed: int,
     fixed: dict[str, Any] | None = None,
+    proxy: int | None = None,
 ) -> dict[str, Any]:
     """The job a method is run as, charged by ``accounting`` at total ``epsilon`` and δ = 1/n.
     ``fixed``: one candidate (spec path → value) trained alone instead of a search (the
-    reference)."""
+    reference). ``proxy``: the public dataset a proxy method searches on."""
     spec: dict[str, Any] = {
         "dataset": dataset,
         "model": setup.model,
@@ -270,6 +288,11 @@ def job_spec(
     for path, value in (fixed or {}).items():
         part, _, name = path.rpartition(".")
         (spec[part] if part else spec)[name] = value
+    for path in method.recipe:
+        part, _, name = path.rpartition(".")
+        del (spec[part] if part else spec)[name]
+    if method.proxy and fixed is None:
+        spec["proxy"] = proxy
     kind = "grid" if accounting == "rdp" else "values"
     spec["search_space"] = {path: {kind: values} for path, values in search.items()}
     k = math.prod(len(v) for v in search.values())
@@ -340,9 +363,10 @@ def released_accuracy(data: bytes, x: np.ndarray, y: np.ndarray) -> tuple[float,
 
 
 def searched_fields(config: dict[str, Any], method: Method) -> dict[str, Any]:
-    """The released config's values of the method's searched paths."""
+    """The released config's values of the method's searched paths, and of those it left to
+    the recipes."""
     out = {}
-    for path in method.search:
+    for path in [*method.search, *method.recipe]:
         part, _, name = path.rpartition(".")
         out[path] = (config[part] if part else config)[name]
     return out
@@ -492,7 +516,8 @@ def plan_runs(args: argparse.Namespace, table: dict[str, Method]) -> list[Run]:
     runs = []
     for dataset, eps, seed in itertools.product(args.datasets, args.epsilons, range(args.seeds)):
         for name in args.methods:
-            runs += [Run(dataset, name, a, eps, seed) for a in args.accountings]
+            kinds = ["rdp"] if table[name].proxy else args.accountings
+            runs += [Run(dataset, name, a, eps, seed) for a in kinds if a in args.accountings]
             if name in args.reference:
                 runs += [Run(dataset, name, "rdp", eps, seed, c) for c in table[name].candidates()]
     return runs
@@ -539,8 +564,28 @@ class Bench:
     ) -> None:
         self.client, self.setups, self.splits, self.table = client, setups, splits, table
         self.registered = 0
+        self.proxies: dict[str, int] = {}
         for name, part in splits.items():
             part.save(data_dir / f"{name}.npz")
+            part.save_public(data_dir / f"{name}-public.npz")
+
+    def proxy(self, name: str) -> int:
+        """The dataset's public validation part, registered once as a public dataset."""
+        if name not in self.proxies:
+            r = self.client.post(
+                "/v1/datasets",
+                json={
+                    "name": f"{name}-public",
+                    "source": f"npz:{name}-public.npz",
+                    "num_classes": self.splits[name].num_classes,
+                    "epsilon": 1.0,  # never charged
+                    "delta": 1e-5,
+                    "public": True,
+                },
+            )
+            r.raise_for_status()
+            self.proxies[name] = r.json()["id"]
+        return self.proxies[name]
 
     def spec(self, run: Run, dataset: int) -> dict[str, Any]:
         part = self.splits[run.dataset]
@@ -553,6 +598,7 @@ class Bench:
             run.epsilon,
             run.seed,
             run.fixed,
+            self.proxy(run.dataset) if self.table[run.method].proxy else None,
         )
 
     def submit(self, run: Run) -> float:

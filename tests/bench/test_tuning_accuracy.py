@@ -24,7 +24,7 @@ def ta(bench) -> ModuleType:
     return bench("tuning_accuracy")
 
 
-ONE_RUN = ["DC-SGD-P", "DC-SGD-E", "AUTO-S", "Andrew", "Du"]
+ONE_RUN = ["DC-SGD-P", "DC-SGD-E", "AUTO-S", "Andrew", "Du", "recipe"]
 
 
 @pytest.mark.parametrize("accounting", ["rdp", "lt", "ps"])
@@ -33,7 +33,9 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
 ) -> None:
     table = ta.methods(ta.THRESHOLDS, quick=False)
     for name, method in table.items():
-        raw = ta.job_spec(7, ta.DATASETS["digits"], 1000, method, accounting, 2.0, 3)
+        if method.proxy and accounting != "rdp":
+            continue  # plan_runs leaves them out: the product refuses a proxy under lt/ps
+        raw = ta.job_spec(7, ta.DATASETS["digits"], 1000, method, accounting, 2.0, 3, proxy=9)
         assert raw["privacy"]["epsilon"] == 2.0 and raw["privacy"]["delta"] == 1e-3
         k = len(method.candidates())
         if name == "shape":
@@ -44,13 +46,39 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
             }
         spec = JobSpec.model_validate(raw)
         assert spec.grid_size() == (k if accounting == "rdp" else 1)
-        if accounting == "rdp":
+        assert spec.proxy == (9 if name == "proxy" else None)
+        if name == "proxy":
+            assert spec.trial_count() == 1 and spec.candidate_count() == k
+        elif accounting == "rdp":
             assert spec.trial_count() == k and spec.seed == 3
         elif accounting == "lt":
             assert spec.privacy.expected_trials == k and spec.seed is None
         else:
             assert (spec.privacy.mean, spec.privacy.eta) == (k, 1)
         assert k == (1 if name in ONE_RUN else 9 if name == "shape" else 10)
+        recipe = name == "recipe"
+        assert (spec.batch_size is None, spec.epochs is None) == (recipe, recipe)
+        assert ("lr" in raw["optimizer"]) != recipe
+
+
+def test_a_proxy_runs_under_rdp_only_and_trains_on_the_public_part(ta, tmp_path) -> None:
+    table = ta.methods(ta.QUICK_THRESHOLDS, quick=False)
+    args = argparse.Namespace(
+        seeds=1,
+        datasets=["digits"],
+        epsilons=[1.0],
+        methods=["proxy", "recipe"],
+        accountings=["rdp", "lt", "ps"],
+        reference=[],
+    )
+    kinds = [(r.method, r.accounting) for r in ta.plan_runs(args, table)]
+    assert kinds == [("proxy", "rdp"), ("recipe", "rdp"), ("recipe", "lt"), ("recipe", "ps")]
+    x = np.arange(100, dtype=np.float32)[:, None]
+    part = ta.split(x, np.arange(100) % 2, test=0.2, val=0.25)
+    part.save_public(tmp_path / "p.npz")
+    with np.load(tmp_path / "p.npz") as saved:
+        assert np.array_equal(saved["x"], part.x_val) and np.array_equal(saved["y"], part.y_val)
+        assert not set(saved["x"][:, 0].tolist()) & set(part.x[:, 0].tolist())
 
 
 def test_a_reference_run_fixes_its_candidate_and_searches_nothing(ta) -> None:
