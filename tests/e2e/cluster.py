@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -207,9 +208,15 @@ class LocalCluster:
             )
 
     def stop(self) -> None:
-        """Kill every process of every node and remove the temp dirs."""
+        """Kill every process of every node and remove the temp dirs. The head's Ray client
+        server does not name the node's temp dir; it is found by the GCS port it serves."""
         for node in self.nodes:
             node.kill()
+        if self.gcs_address:
+            port = self.gcs_address.rsplit(":", 1)[1]
+            for pid in process_tree("ray.util.client.server") & process_tree(f":{port}\0"):
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while any(n.processes() for n in self.nodes) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -228,9 +235,19 @@ def token_root(prefix: str) -> tuple[Path, Path]:
 
 @contextmanager
 def local_cluster() -> Iterator[LocalCluster]:
-    """A cluster with no nodes yet; every node started in it is killed on the way out."""
+    """A cluster with no nodes yet; every node started in it is killed on the way out — also
+    when the process is sent SIGTERM (``kill``, a bench stopped early), which by default ends
+    Python without running ``finally`` blocks and left whole clusters running."""
     cluster = LocalCluster(*token_root("dpt-ray-"))
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit) if main else None
     try:
         yield cluster
     finally:
         cluster.stop()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
