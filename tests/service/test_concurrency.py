@@ -51,19 +51,20 @@ def _post_all(url: str, headers: dict, body: dict, extra: list[dict]) -> list[ht
         return list(pool.map(post, range(THREADS)))
 
 
+def _operator(settings) -> dict[str, str]:
+    return {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
+
+
+def _digits(http: httpx.Client, op: dict[str, str], epsilon: float) -> int:
+    """A digits dataset with budget ε = ``epsilon``; its id."""
+    body = {"name": "digits", "source": "builtin:digits", "epsilon": epsilon, "delta": 1e-5}
+    return http.post("/v1/datasets", headers=op, json=body).json()["id"]
+
+
 def test_concurrent_admissions_never_overspend(server, settings, spec):
-    op = {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
+    op = _operator(settings)
     with httpx.Client(base_url=server, timeout=60) as http:
-        ds = http.post(
-            "/v1/datasets",
-            headers=op,
-            json={
-                "name": "digits",
-                "source": "builtin:digits",
-                "epsilon": 3.0,
-                "delta": 1e-5,
-            },
-        ).json()["id"]
+        ds = _digits(http, op, epsilon=3.0)
         body = spec(ds, epsilon=1.0)
         body["validation"] = {"split": "private", "noise": 50.0}
         plan = http.post("/v1/plans", headers=op, json=body).json()  # warms the plan cache
@@ -90,18 +91,9 @@ def test_concurrent_admissions_never_overspend(server, settings, spec):
 
 
 def test_idempotency_key_charges_once(server, settings, spec):
-    op = {"Authorization": f"Bearer {settings.operator_key.get_secret_value()}"}
+    op = _operator(settings)
     with httpx.Client(base_url=server, timeout=60) as http:
-        ds = http.post(
-            "/v1/datasets",
-            headers=op,
-            json={
-                "name": "digits",
-                "source": "builtin:digits",
-                "epsilon": 10.0,
-                "delta": 1e-5,
-            },
-        ).json()["id"]
+        ds = _digits(http, op, epsilon=10.0)
         body = spec(ds, epsilon=1.0)
         first = http.post("/v1/jobs", headers=op | {"Idempotency-Key": "a"}, json=body)
         assert first.status_code == 202
