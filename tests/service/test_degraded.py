@@ -293,13 +293,19 @@ def test_two_pollers_submit_a_job_once(start) -> None:
         svc.run_attempt(submission.job_id, submission.token)
 
 
-def test_a_running_job_is_left_alone_while_ray_is_unreachable(start) -> None:
-    cluster = Cluster()
-    svc = start(cluster)
+def _running(svc, cluster: Cluster) -> int:
+    """A job posted, handed over, running on the cluster with one attempt charged; its id."""
     job = svc.post_job()["id"]
     eventually(lambda: cluster.submissions)
     cluster.jobs[job] = JobState.RUNNING
     svc.run_attempt(job, cluster.submissions[0].token)
+    return job
+
+
+def test_a_running_job_is_left_alone_while_ray_is_unreachable(start) -> None:
+    cluster = Cluster()
+    svc = start(cluster)
+    job = _running(svc, cluster)
     budget = svc.api.budget(svc.dataset)
 
     cluster.up = False
@@ -319,10 +325,7 @@ def test_a_running_job_is_left_alone_while_ray_is_unreachable(start) -> None:
 def test_ray_gone_for_good_fails_its_jobs_charged_what_they_ran(start) -> None:
     cluster = Cluster()
     svc = start(cluster, ray_give_up_s=1.0)
-    running = svc.post_job()["id"]
-    eventually(lambda: cluster.submissions)
-    cluster.jobs[running] = JobState.RUNNING
-    svc.run_attempt(running, cluster.submissions[0].token)
+    running = _running(svc, cluster)
     spent = svc.api.budget(svc.dataset)["spent"]
 
     cluster.up = False
@@ -348,10 +351,7 @@ def test_ray_gone_for_good_fails_its_jobs_charged_what_they_ran(start) -> None:
 def test_only_an_answer_that_it_has_no_record_makes_a_job_lost(start) -> None:
     cluster = Cluster()
     svc = start(cluster)
-    job = svc.post_job()["id"]
-    eventually(lambda: cluster.submissions)
-    cluster.jobs[job] = JobState.RUNNING
-    svc.run_attempt(job, cluster.submissions[0].token)
+    job = _running(svc, cluster)
     cluster.up = False
     cluster.jobs.clear()  # the cluster was replaced meanwhile
     cluster.polls()
