@@ -59,6 +59,21 @@ def _runner(api: Api, orchestrator: RecordingOrchestrator, job_id: int) -> dict[
     return bearer(orchestrator.submitted[job_id].token)
 
 
+def _posted(runs) -> tuple[Api, int, dict[str, Any], dict[str, str], str]:
+    """A job posted on a fresh dataset: the API, the dataset's id, the job, its runner's
+    headers and its runner API path."""
+    api, orchestrator = runs
+    dataset = api.register()["id"]
+    job = api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
+    return (
+        api,
+        dataset,
+        job,
+        _runner(api, orchestrator, job["id"]),
+        f"/internal/v1/jobs/{job['id']}",
+    )
+
+
 def _weights() -> bytes:
     return save({"fc.weight": np.ones((2, 3), dtype=np.float32)})
 
@@ -84,11 +99,7 @@ def _run_trials(api: Api, job: int, auth: dict[str, str], scores: list[float]) -
 
 
 def test_the_runner_protocol_releases_the_best_trial(runs) -> None:
-    api, orchestrator = runs
-    dataset = api.register()["id"]
-    job = api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
-    auth = _runner(api, orchestrator, job["id"])
-    base = f"/internal/v1/jobs/{job['id']}"
+    api, dataset, job, auth, base = _posted(runs)
     context = api.client.get(base, headers=auth).json()
     assert context["plan"] == job["plan"] and context["dataset"]["source"] == "builtin:digits"
     assert len(context["dataset"]["sha256"]) == 64
@@ -177,11 +188,7 @@ def test_a_token_is_good_for_its_own_job_only(runs) -> None:
 
 
 def test_a_runner_cannot_reduce_a_charge(runs) -> None:
-    api, orchestrator = runs
-    dataset = api.register()["id"]
-    job = api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
-    auth = _runner(api, orchestrator, job["id"])
-    base = f"/internal/v1/jobs/{job['id']}"
+    api, dataset, job, auth, base = _posted(runs)
     _run_trials(api, job["id"], auth, [0.8])
     charged = api.budget(dataset)["spent"]
     assert charged > 0
@@ -202,11 +209,8 @@ def test_no_attempt_stays_running_once_its_job_ended(runs, ended_by) -> None:
     """A job that ends while an attempt never reported its end (its process died with the
     job: the Ray job stopped or failed, the driver reported a failure) ends that attempt as
     failed — still charged."""
-    api, orchestrator = runs
-    dataset = api.register()["id"]
-    job = api.client.post("/v1/jobs", headers=api.operator, json=make_spec(dataset)).json()
-    auth = _runner(api, orchestrator, job["id"])
-    base = f"/internal/v1/jobs/{job['id']}"
+    api, dataset, job, auth, base = _posted(runs)
+    orchestrator = runs[1]
     _run_trials(api, job["id"], auth, [0.8])
     r = api.client.post(
         f"{base}/attempts", headers=auth, json={"index": 1, "params": {}, "node": "<b>x</b>"}
