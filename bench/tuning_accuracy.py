@@ -400,20 +400,21 @@ def reference(runs: list[Run]) -> dict[tuple[str, str, float], tuple[list[float]
 
 
 def tables(runs: list[Run], names: list[str], epsilons: list[float], seeds: int) -> str:
-    """Markdown like paper 001's: per dataset × accounting, rows methods, columns ε, cells
-    test accuracy (%) mean ± std over seeds (``n=`` when fewer than ``seeds`` released) and
-    mean wall time; then the reference."""
+    """Markdown like paper 001's: per dataset × accounting, rows methods, columns the ε values
+    run on that dataset, cells test accuracy (%) mean ± std over seeds (``n=`` when fewer than
+    ``seeds`` released) and mean wall time; then the reference."""
     lines = []
     ref = reference(runs)
     for dataset in dict.fromkeys(r.dataset for r in runs):
+        shown = [e for e in epsilons if any((r.dataset, r.epsilon) == (dataset, e) for r in runs)]
         kinds = {r.accounting for r in runs if r.dataset == dataset and r.fixed is None}
         for accounting in [a for a in ACCOUNTINGS if a in kinds]:
             lines += [f"\n**{dataset}, {accounting}**: accuracy % (wall s)\n"]
-            lines += ["| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |"]
-            lines += ["|---|" + "---|" * len(epsilons)]
+            lines += ["| method | " + " | ".join(f"ε = {e:g}" for e in shown) + " |"]
+            lines += ["|---|" + "---|" * len(shown)]
             for name in names:
                 row = []
-                for eps in epsilons:
+                for eps in shown:
                     done = [
                         r
                         for r in runs
@@ -434,13 +435,13 @@ def tables(runs: list[Run], names: list[str], epsilons: list[float], seeds: int)
                     lines.append(f"| {name} | " + " | ".join(row) + " |")
         if any(k[0] == dataset for k in ref):
             lines += [f"\n**{dataset}, no tuning cost** (best single candidate at full ε)\n"]
-            lines += ["| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |"]
-            lines += ["|---|" + "---|" * len(epsilons)]
+            lines += ["| method | " + " | ".join(f"ε = {e:g}" for e in shown) + " |"]
+            lines += ["|---|" + "---|" * len(shown)]
             for name in names:
                 if any(k[:2] == (dataset, name) for k in ref):
                     row = [
                         cell(ref[(dataset, name, e)][0]) if (dataset, name, e) in ref else "—"
-                        for e in epsilons
+                        for e in shown
                     ]
                     lines.append(f"| {name} | " + " | ".join(row) + " |")
     return "\n".join(lines)

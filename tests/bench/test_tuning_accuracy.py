@@ -247,3 +247,13 @@ def test_resume_keeps_only_released_runs_of_the_same_setting(ta) -> None:
         (None, "pending"),
     ]
     assert len(ta.job_groups(runs, lambda r: {"accounting": r.accounting})) == 3
+
+
+def test_each_datasets_tables_show_only_the_epsilons_run_on_it(ta) -> None:
+    runs = [_run(ta, "AUTO-S", "rdp", e, 0, 0.5) for e in (1.0, 4.0)]
+    runs.append(ta.Run("mnist1d", "AUTO-S", "rdp", 4.0, 0, status="released", accuracy=0.6))
+    text = ta.tables(runs, ["AUTO-S"], [1.0, 4.0], seeds=1)
+    digits, mnist1d = text.split("**mnist1d, rdp**")
+    assert "| method | ε = 1 | ε = 4 |" in digits
+    assert "| method | ε = 4 |" in mnist1d and "ε = 1" not in mnist1d
+    assert "| AUTO-S | 60.0 ± 0.0 |" in mnist1d
