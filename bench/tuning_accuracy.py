@@ -679,6 +679,22 @@ class Bench:
             time.sleep(1)
 
 
+def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of several runs' (say one per dataset): their submitted runs, datasets,
+    methods and ε values together, and the runs' times added up."""
+    out = {**reports[0], "datasets": {}, "methods": {}, "runs": [], "elapsed_s": 0.0}
+    out["args"] = {**reports[0]["args"], "datasets": [], "epsilons": [], "resume": None}
+    for report in reports:
+        out["datasets"] |= report["datasets"]
+        out["methods"] |= report["methods"]
+        out["runs"] += [r for r in report["runs"] if r["status"] != "pending"]
+        out["elapsed_s"] += report["elapsed_s"]
+        for key in ("datasets", "epsilons", "methods"):
+            out["args"][key] = list(dict.fromkeys([*out["args"][key], *report["args"][key]]))
+    out["args"]["epsilons"].sort()
+    return out
+
+
 def _copy(group: list[Run]) -> None:
     first = asdict(group[0])
     for run in group[1:]:
@@ -752,14 +768,21 @@ def main() -> int:
         "--quick", action="store_true", help="digits, ε = 4, 1 seed, 3 thresholds, 3 methods"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "tuning_accuracy")
-    parser.add_argument("--replot", type=Path, help="only tables and plot of this JSON (<out>.png)")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        nargs="+",
+        help="only tables and plot of these JSON reports, merged (several: also <out>.json)",
+    )
     parser.add_argument("--resume", type=Path, help="keep the released runs of this JSON")
     args = parser.parse_args()
     if args.replot:
-        report = json.loads(args.replot.read_text())
+        report = merged([json.loads(path.read_text()) for path in args.replot])
         runs = [Run(**r) for r in report["runs"]]
         shown = report["args"]
         print(tables(runs, shown["methods"], shown["epsilons"], shown["seeds"]))
+        if len(args.replot) > 1:
+            args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
         plot(runs, shown["methods"], args.out.with_suffix(".png"))
         return 0
     if args.quick:

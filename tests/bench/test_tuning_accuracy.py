@@ -257,3 +257,28 @@ def test_each_datasets_tables_show_only_the_epsilons_run_on_it(ta) -> None:
     assert "| method | ε = 1 | ε = 4 |" in digits
     assert "| method | ε = 4 |" in mnist1d and "ε = 1" not in mnist1d
     assert "| AUTO-S | 60.0 ± 0.0 |" in mnist1d
+
+
+def test_reports_of_several_runs_merge_into_one(ta) -> None:
+    def report(dataset: str, eps: list[float], runs: list[dict]) -> dict:
+        return {
+            "args": {"datasets": [dataset], "epsilons": eps, "methods": ["AUTO-S"], "seeds": 3},
+            "datasets": {dataset: {"train": 10}},
+            "methods": {"AUTO-S": {}},
+            "elapsed_s": 60.0,
+            "runs": runs,
+        }
+
+    done = ta.asdict(_run(ta, "AUTO-S", "rdp", 4.0, 0, 0.5))
+    pending = ta.asdict(_run(ta, "AUTO-S", "rdp", 8.0, 0, None, status="pending"))
+    one = report("digits", [4.0, 8.0], [done, pending])
+    two = report("mnist1d", [1.0], [done | {"dataset": "mnist1d", "epsilon": 1.0}])
+    out = ta.merged([one, two])
+    assert out["args"]["datasets"] == ["digits", "mnist1d"]
+    assert out["args"]["epsilons"] == [1.0, 4.0, 8.0] and out["elapsed_s"] == 120.0
+    assert [(r["dataset"], r["epsilon"]) for r in out["runs"]] == [
+        ("digits", 4.0),
+        ("mnist1d", 1.0),
+    ]
+    assert set(out["datasets"]) == {"digits", "mnist1d"}
+    assert one["args"]["datasets"] == ["digits"]  # the inputs are left as they were
