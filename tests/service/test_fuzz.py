@@ -51,6 +51,10 @@ SLOW = {
     "GET /v1/jobs/{job_id}/report.png",
 }
 SLOW_EXAMPLES = 4
+#: uvicorn's own answer to a request that is not valid HTTP (the negative mode can generate a
+#: header such as ``content-length: H J``): the application never sees it, so its schema does
+#: not describe it, and the state check alone applies
+NOT_HTTP = (400, b"Invalid HTTP request received.")
 
 
 @dataclass
@@ -170,7 +174,8 @@ def _fuzz(world: World, operation: Any, mode: GenerationMode, examples: int) -> 
                 case.path_parameters[name] = value
         before = state(world.engine)
         response = case.call(base_url=world.url, headers=auth[who])
-        case.validate_response(response, checks=CHECKS)
+        if (response.status_code, response.content.strip()) != NOT_HTTP:
+            case.validate_response(response, checks=CHECKS)
         if 400 <= response.status_code < 500:
             assert state(world.engine) == before, (
                 f"{operation.label} as {who} answered {response.status_code} "
