@@ -286,11 +286,11 @@ def job_spec(
     }
     search = method.search if fixed is None else {}
     for path, value in (fixed or {}).items():
-        part, _, name = path.rpartition(".")
-        (spec[part] if part else spec)[name] = value
+        holder, name = _field(spec, path)
+        holder[name] = value
     for path in method.recipe:
-        part, _, name = path.rpartition(".")
-        del (spec[part] if part else spec)[name]
+        holder, name = _field(spec, path)
+        del holder[name]
     if method.proxy and fixed is None:
         spec["proxy"] = proxy
     kind = "grid" if accounting == "rdp" else "values"
@@ -367,9 +367,15 @@ def searched_fields(config: dict[str, Any], method: Method) -> dict[str, Any]:
     the recipes."""
     out = {}
     for path in [*method.search, *method.recipe]:
-        part, _, name = path.rpartition(".")
-        out[path] = (config[part] if part else config)[name]
+        holder, name = _field(config, path)
+        out[path] = holder[name]
     return out
+
+
+def _field(spec: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The dict that holds a spec path's field ("batch_size", "method.threshold"), and its name."""
+    part, _, name = path.rpartition(".")
+    return (spec[part] if part else spec), name
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
