@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db import ApiKey, Dataset
+from service.db.models import api_key_dataset
 
 Role = Literal["operator", "analyst"]
 KEY_PREFIX = "dpt_"
@@ -47,12 +48,19 @@ def create_key(
 
 
 def authenticate(session: Session, secret: str) -> Principal | None:
-    key = session.execute(
-        select(ApiKey).where(ApiKey.secret_sha256 == digest(secret))
-    ).scalar_one_or_none()
-    if key is None:
+    """The caller with this secret, or None. One query (every request makes it): the key and
+    its datasets, a row per dataset."""
+    scope = api_key_dataset.c
+    query = (
+        select(ApiKey.id, ApiKey.role, scope.dataset_id)
+        .outerjoin(api_key_dataset, scope.api_key_id == ApiKey.id)
+        .where(ApiKey.secret_sha256 == digest(secret))
+    )
+    rows = session.execute(query).all()
+    if not rows:
         return None
-    return Principal(key.id, cast(Role, key.role), frozenset(d.id for d in key.datasets))
+    datasets = frozenset(row.dataset_id for row in rows if row.dataset_id is not None)
+    return Principal(rows[0].id, cast(Role, rows[0].role), datasets)
 
 
 def bootstrap_operator(session: Session, configured: str | None) -> str | None:

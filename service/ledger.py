@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import or_, select
+from sqlalchemy import Select, or_, select
 from sqlalchemy.orm import Session
 
 from core import accounting, shapes
@@ -132,27 +132,43 @@ def _load(parts: list[list[float]]) -> Exact:
 
 
 def _epsilon(total: np.ndarray, delta: float) -> float:
-    curves = [total[:_N]] if total[:_N].any() else []
-    return accounting.dataset_epsilon(curves, [(float(total[_N]), float(total[_N + 1]))], delta)
+    return _total_epsilon(tuple(total.tolist()), delta)
+
+
+@functools.lru_cache(maxsize=1024)
+def _total_epsilon(total: tuple[float, ...], delta: float) -> float:
+    """Memoized: dp-accounting's conversion costs ~0.6 ms, as much as the rest of a budget
+    read, and the totals a read converts (spent, committed) only change with the ledger."""
+    vec = np.array(total)
+    curves = [vec[:_N]] if vec[:_N].any() else []
+    return accounting.dataset_epsilon(curves, [(total[_N], total[_N + 1])], delta)
 
 
 def append(
     session: Session, job: Job, kind: str, reference: str, vec: np.ndarray, note: str = ""
 ) -> LedgerEntry:
     """Write a ledger row, and bring the dataset's running sums (``ledger_total``) up to date
-    in the same transaction. The caller holds the dataset's budget lock
-    (:func:`service.db.locked_dataset`): the sums are read, changed and written back."""
+    in the same transaction, and the dataset's row counts. The caller holds the dataset's
+    budget lock (:func:`service.db.locked_dataset`): the sums are read, changed and written
+    back."""
+    dataset = session.get_one(Dataset, job.dataset_id)
+    curve = vec[:_N].tolist() if vec[:_N].any() else None
+    epsilon, delta = float(vec[_N]), float(vec[_N + 1])
     entry = LedgerEntry(
         dataset_id=job.dataset_id,
         job_id=job.id,
         reference=reference,
         kind=kind,
-        rdp=vec[:_N].tolist() if vec[:_N].any() else None,
-        epsilon=float(vec[_N]),
-        delta=float(vec[_N + 1]),
+        rdp=curve,
+        epsilon=epsilon,
+        delta=delta,
         note=note,
+        shown_epsilon=_epsilon(vec, dataset.delta),
     )
     session.add(entry)
+    dataset.ledger_rows = Dataset.ledger_rows + 1  # in SQL: the count is never read stale
+    if job.accounting in accounting.RANDOM_STOPPING and not vec.any():
+        dataset.ledger_rows_hidden = Dataset.ledger_rows_hidden + 1
     session.flush()
     _update_totals(session, job, entry)
     return entry
@@ -206,9 +222,13 @@ class Budget:
         return self.epsilon - self.committed
 
 
+def rows_of(dataset_id: int) -> Select[tuple[LedgerEntry]]:
+    """The query of the dataset's ledger rows, in id order."""
+    return select(LedgerEntry).where(LedgerEntry.dataset_id == dataset_id).order_by(LedgerEntry.id)
+
+
 def entries_of(session: Session, dataset_id: int) -> list[LedgerEntry]:
-    query = select(LedgerEntry).where(LedgerEntry.dataset_id == dataset_id)
-    return list(session.execute(query.order_by(LedgerEntry.id)).scalars())
+    return list(session.execute(rows_of(dataset_id)).scalars())
 
 
 def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
@@ -308,19 +328,23 @@ def job_charged(session: Session, job: Job) -> float:
     return _epsilon(rounded(sums.charges), job.plan["delta"])
 
 
-def entry_epsilon(entry: LedgerEntry, delta: float) -> float:
-    """One row's own ε at the dataset's δ (for display; totals are composed, not summed)."""
+def entry_epsilon(entry: Any, delta: float) -> float:
+    """One row's own ε at the dataset's δ (for display; totals are composed, not summed): the
+    one written with it, or for a row written before revision 0008, from its curve. ``entry``
+    is a :class:`LedgerEntry` or a result row with its ``shown_epsilon``, ``rdp``, ``epsilon``
+    and ``delta``."""
+    if entry.shown_epsilon is not None:
+        return float(entry.shown_epsilon)
     curve = tuple(entry.rdp) if entry.rdp is not None else None
-    return _row_epsilon(curve, entry.epsilon, entry.delta, delta)
+    return _curve_epsilon(curve, entry.epsilon, entry.delta, delta)
 
 
 @functools.lru_cache(maxsize=4096)
-def _row_epsilon(
+def _curve_epsilon(
     curve: tuple[float, ...] | None, epsilon: float, row_delta: float, delta: float
 ) -> float:
-    """Memoized: a row never changes, and converting a curve costs about as much as reading
-    the whole budget; the rows a ledger page shows are converted once per process (a job's
-    charges, and jobs planned alike, share their amounts)."""
+    """Memoized for the rows written before revision 0008, shown from their curves on every
+    read (a job's charges, and jobs planned alike, share their amounts)."""
     return _epsilon(_row_vector(curve, epsilon, row_delta), delta)
 
 

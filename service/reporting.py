@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from core.spec import Selection
 from service import ledger, visibility
 from service.auth import Principal
-from service.db import Dataset, Job
+from service.db import Dataset, Job, LedgerEntry
 
 LOG_SPAN = 10.0  # a numeric axis whose values span this ratio or more is drawn in log scale
 KIND_MARKERS = {"reservation": "^", "charge": "o", "release": "v"}
@@ -81,6 +81,7 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
     if dataset is None:
         raise RuntimeError(f"job {job.id} has no dataset {job.dataset_id}")
     entries = ledger.entries_of(session, dataset.id)
+    rows = visibility.ledger_rows(caller, dataset).order_by(LedgerEntry.id)
     totals = dict(
         zip(
             (e.id for e in entries),
@@ -107,7 +108,7 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
         budget=dataset.epsilon,
         rows=[
             Row(e.kind, *totals[e.id], e.created_at, e.job == job.id)
-            for e in visibility.ledger_entries(session, caller, dataset, entries)
+            for e in visibility.ledger_entries(session, caller, dataset, rows)
         ],
     )
 

@@ -20,7 +20,7 @@ from typing import IO, Annotated, Any, Literal, Self
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.orm import sessionmaker
 
 from core.spec import MAX_ID, Scalar
@@ -364,17 +364,15 @@ def get_budget(
     transaction (SQLite) or snapshot-consistent statements."""
     dataset = visible_dataset(session, caller, dataset_id)
     state = ledger.budget(session, dataset)
-    rows = visibility.ledger_rows(caller, dataset)
-    newest = session.execute(rows.order_by(LedgerEntry.id.desc()).limit(limit)).scalars()
-    total = session.execute(select(func.count()).select_from(rows.subquery())).scalar_one()
+    newest = visibility.ledger_rows(caller, dataset).order_by(LedgerEntry.id.desc()).limit(limit)
     return BudgetOut(
         epsilon=state.epsilon,
         delta=state.delta,
         spent=state.spent,
         reserved=state.reserved,
         remaining=state.remaining,
-        entries=_entries(session, caller, dataset, list(newest)[::-1]),
-        entries_total=total,
+        entries=_entries(session, caller, dataset, newest)[::-1],
+        entries_total=visibility.entries_total(caller, dataset),
     )
 
 
@@ -391,16 +389,13 @@ def get_ledger(
     """The ledger rows the caller sees, in id order, a page at a time."""
     dataset = visible_dataset(session, caller, dataset_id)
     rows = visibility.ledger_rows(caller, dataset).where(LedgerEntry.id > after)
-    page = list(session.execute(rows.order_by(LedgerEntry.id).limit(limit + 1)).scalars())
+    page = _entries(session, caller, dataset, rows.order_by(LedgerEntry.id).limit(limit + 1))
     more = len(page) > limit
-    return LedgerOut(
-        entries=_entries(session, caller, dataset, page[:limit]),
-        next_after=page[limit - 1].id if more else None,
-    )
+    return LedgerOut(entries=page[:limit], next_after=page[limit - 1].id if more else None)
 
 
 def _entries(
-    session: SessionDep, caller: Caller, dataset: Dataset, rows: list[LedgerEntry]
+    session: SessionDep, caller: Caller, dataset: Dataset, rows: Select[tuple[LedgerEntry]]
 ) -> list[EntryOut]:
     views = visibility.ledger_entries(session, caller, dataset, rows)
     return [EntryOut.model_validate(e, from_attributes=True) for e in views]

@@ -9,8 +9,10 @@ PostgreSQL: the same transaction locks the dataset row with ``SELECT … FOR UPD
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import msgspec
 from sqlalchemy import URL, Engine, create_engine, event, make_url, select
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
@@ -54,10 +56,28 @@ def _parse(url: str) -> URL:
         ) from None
 
 
+_decoder = msgspec.json.Decoder()
+
+
+def json_loads(text: str | bytes) -> Any:
+    """How JSON columns are read. A ledger row's curve is ~150 floats, and the stdlib parser
+    spent ~90 µs on each: decoding the 100 rows a budget read shows and the running sums was
+    most of the read. msgspec parses them 6–8× faster, and exactly: each number becomes the
+    float nearest to it, an integer of any size the same integer, as with :func:`json.loads`
+    (tests/service/test_json_columns.py). What is not strict JSON, such as the ``NaN`` and
+    ``Infinity`` that :func:`json.dumps` writes, msgspec refuses; :func:`json.loads` reads it."""
+    try:
+        return _decoder.decode(text)
+    except msgspec.DecodeError:
+        return json.loads(text)
+
+
 def _create(url: URL) -> Engine:
+    options: dict[str, Any] = {"json_deserializer": json_loads, **POOL}
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True, **POOL)
-    engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False}, **POOL)
+        return create_engine(url, pool_pre_ping=True, **options)
+    connect_args = {"timeout": 60, "check_same_thread": False}
+    engine = create_engine(url, connect_args=connect_args, **options)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

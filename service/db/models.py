@@ -103,6 +103,11 @@ class Dataset(Base):
     #: q = B/N and T were computed from the registered N); empty while awaiting an upload
     content_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
+    #: how many ledger rows the dataset has, and how many of them analysts do not see (the
+    #: rows with no amount of random-stopping jobs): kept with every row
+    #: (:func:`service.ledger.append`), so that a budget read need not count them
+    ledger_rows: Mapped[int] = mapped_column(default=0, server_default="0")
+    ledger_rows_hidden: Mapped[int] = mapped_column(default=0, server_default="0")
 
     @property
     def awaiting_data(self) -> bool:
@@ -193,6 +198,10 @@ class LedgerEntry(Base):
     delta: Mapped[float] = mapped_column(Float, default=0.0)
     note: Mapped[str] = mapped_column(String(300), default="")
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
+    #: the row's own ε at its dataset's δ, as the ledger shows it (infinite when its δ alone
+    #: exceeds the dataset's): fixed when written, so that showing a row does not read its
+    #: curve; empty on rows written before revision 0008
+    shown_epsilon: Mapped[float | None] = mapped_column(Float)
 
 
 class LedgerTotal(Base):

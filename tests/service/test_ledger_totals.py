@@ -54,7 +54,24 @@ def _check(session, dataset_id: int) -> None:
         if any(ledger.outstanding([e for e in rows if e.job_id == job_id])[0])
     }
     assert set(open_rows) == outstanding
+    _check_counts_and_shown(session, dataset, rows)
     session.commit()
+
+
+def _check_counts_and_shown(session, dataset: Dataset, rows: list[LedgerEntry]) -> None:
+    """The dataset's row counts are those of its rows, and each row's shown ε is its amount
+    converted at the dataset's δ."""
+    kinds = dict(session.execute(select(Job.id, Job.accounting)).all())
+    hidden = [
+        e
+        for e in rows
+        if kinds.get(e.job_id) in accounting.RANDOM_STOPPING and not ledger.entry_amount(e).any()
+    ]
+    assert (dataset.ledger_rows, dataset.ledger_rows_hidden) == (len(rows), len(hidden))
+    for e in rows:
+        curves = [np.array(e.rdp)] if e.rdp is not None else []
+        want = accounting.dataset_epsilon(curves, [(e.epsilon, e.delta)], dataset.delta)
+        assert e.shown_epsilon == want, e.id
 
 
 def test_random_histories_keep_the_cache_exact(api, spec, client):
@@ -191,16 +208,13 @@ def test_analysts_see_what_they_saw_before(api, spec, session_of, dataset):
         ledger.append(session, job, "release", "legacy", ledger.amount(accounting.Charge()))
         session.commit()
         dataset_row = session.get(Dataset, ds)
-        rows = ledger.entries_of(session, ds)
         keys = {"ana": ana, "colleague": colleague, "operator": api.operator}
         principals = _principals(session, keys)
-        expected = {
-            who: [
-                _json(v)
-                for v in visibility.ledger_entries(session, principals[who], dataset_row, rows)
-            ]
-            for who in keys
-        }
+        expected = {}
+        for who in keys:
+            rows = visibility.ledger_rows(principals[who], dataset_row).order_by(LedgerEntry.id)
+            views = visibility.ledger_entries(session, principals[who], dataset_row, rows)
+            expected[who] = [_json(v) for v in views]
     assert len(expected["operator"]) == 6 and len(expected["ana"]) == 5
     for who, headers in keys.items():
         seen = api.client.get(f"/v1/datasets/{ds}/ledger?limit=2", headers=headers).json()

@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 
 from core import accounting
 from core.shapes import plan_shapes, shape_of
-from service import ledger
+from service import ledger, visibility
+from service.auth import Principal
 from service.db import (
     Base,
     Dataset,
@@ -211,4 +212,63 @@ def test_the_upgrade_to_shapes_gives_an_old_plan_its_one_shape(settings):
         )
         expected = accounting.trial_rdp(0.05, 1.5, 40)
         assert np.array_equal(ledger.attempt_rdp(job, {}), expected)
+    engine.dispose()
+
+
+def test_the_upgrade_to_row_counts_counts_the_rows_already_there(settings):
+    """Revision 0008: each dataset's row counts (all rows; the rows analysts do not see: those
+    with no amount of random-stopping jobs) from the rows already there. Those rows have no ε
+    of their own; they show the ε converted from their amount, as before."""
+    engine = _at_revision(settings, "0007")
+    orders = len(accounting.ORDERS)
+    curve = np.linspace(0.01, 0.2, orders).tolist()
+    rows = [  # (dataset, job, rdp, epsilon, delta)
+        (1, 1, curve, 0.0, 0.0),
+        (1, 2, None, 0.5, 1e-6),
+        (1, 2, None, 0.0, 0.0),  # hidden: an lt job's zero row
+        (1, 1, None, 0.0, 0.0),  # shown: an rdp job's zero row
+        (2, 3, curve, 0.0, 0.0),
+        (2, 3, None, 0.0, 0.0),  # hidden: a ps job's
+    ]
+    with engine.begin() as conn:
+        _analyst_key(conn)
+        for dataset in (1, 2, 3):
+            conn.execute(
+                text(
+                    "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
+                    "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                    f"({dataset}, 'd{dataset}', 'builtin:digits', '{{}}', 10, 3, '[4]', false, "
+                    "100, 1e-5, '', CURRENT_TIMESTAMP)"
+                )
+            )
+        for job, dataset, kind in ((1, 1, "rdp"), (2, 1, "lt"), (3, 2, "ps")):
+            conn.execute(
+                text(
+                    "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
+                    f"accounting, status, created_at) VALUES ({job}, {dataset}, 1, 'x', '{{}}', "
+                    f"'{{}}', '{kind}', 'queued', CURRENT_TIMESTAMP)"
+                )
+            )
+        table = LedgerEntry.__table__
+        for i, (dataset, job, rdp, epsilon, delta) in enumerate(rows):
+            values = {"dataset_id": dataset, "job_id": job, "reference": f"row:{i}"}
+            values |= {"kind": "charge", "rdp": rdp, "epsilon": epsilon, "delta": delta}
+            conn.execute(table.insert().values(note="", created_at=datetime.now(UTC), **values))
+    assert upgrade(engine) == ("0007", head_revision())
+    with Session(engine) as session:
+        counts = session.execute(
+            select(Dataset.id, Dataset.ledger_rows, Dataset.ledger_rows_hidden).order_by(Dataset.id)
+        ).all()
+        assert counts == [(1, 4, 1), (2, 2, 1), (3, 0, 0)]
+        entries = ledger.entries_of(session, 1) + ledger.entries_of(session, 2)
+        assert [e.shown_epsilon for e in entries] == [None] * len(rows)
+        for e in entries:
+            curves = [np.array(e.rdp)] if e.rdp is not None else []
+            want = accounting.dataset_epsilon(curves, [(e.epsilon, e.delta)], 1e-5)
+            assert ledger.entry_epsilon(e, 1e-5) == want
+        assert ledger.entry_epsilon(entries[0], 1e-5) > 0
+        operator = Principal(1, "operator", frozenset())
+        dataset = session.get_one(Dataset, 1)
+        views = visibility.ledger_entries(session, operator, dataset, ledger.rows_of(1))
+        assert [v.epsilon for v in views] == [ledger.entry_epsilon(e, 1e-5) for e in entries[:4]]
     engine.dispose()
