@@ -205,11 +205,17 @@ def show(name: str, s: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="long trials of 3 epochs, not 12")
+    parser.add_argument(
+        "--long-epochs",
+        type=int,
+        default=LONG_EPOCHS,
+        help="epochs of the long trials (160: about 30 s each on an idle 2-core machine)",
+    )
     parser.add_argument("--compare", action="store_true", help="also without process reuse")
     parser.add_argument("--jobs", default="short,long", help="which jobs: short, long or both")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     args = parser.parse_args()
-    epochs = LONG_EPOCHS // 4 if args.quick else LONG_EPOCHS
+    epochs = args.long_epochs // 4 if args.quick else args.long_epochs
     jobs = {
         name: job
         for name, job in [
