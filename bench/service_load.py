@@ -192,6 +192,22 @@ def fresh_postgres(server_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+def _whole_ledger(http: httpx.Client, dataset: int) -> list[dict[str, Any]]:
+    """Every ledger row of the dataset, a page at a time (a budget lists the newest only)."""
+    entries: list[dict[str, Any]] = []
+    after: int | None = 0
+    while after is not None:
+        page = http.get(
+            f"/v1/datasets/{dataset}/ledger",
+            headers=_bearer(OPERATOR_KEY),
+            params={"after": after, "limit": 1000},
+        )
+        _ok(page)
+        entries += page.json()["entries"]
+        after = page.json()["next_after"]
+    return entries
+
+
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -302,6 +318,7 @@ def run_load(
         with httpx.Client(base_url=url, timeout=300) as http:
             final = http.get(f"/v1/datasets/{dataset}/budget", headers=_bearer(OPERATOR_KEY))
             _ok(final)
+            ledger = _whole_ledger(http, dataset)
             one_more = http.post(
                 "/v1/jobs",
                 headers=analysts[0] | {"Idempotency-Key": "load-one-more"},
@@ -311,7 +328,7 @@ def run_load(
         database="postgresql" if database_url else "sqlite",
         results=results,
         wall=wall,
-        final=final.json(),
+        final=final.json() | {"entries": ledger},
         one_more=one_more,
         plan=plan,
         expected=expected,
@@ -374,6 +391,8 @@ def _check(
     committed = final["spent"] + final["reserved"]
     if committed > budget or max_committed > budget:
         problems.append(f"committed ε {max(committed, max_committed)} over the budget {budget}")
+    if final["entries_total"] != len(final["entries"]):
+        problems.append(f"entries_total {final['entries_total']}, {len(final['entries'])} rows")
     reservations = [e for e in final["entries"] if e["kind"] == "reservation"]
     if len(final["entries"]) != admitted or len(reservations) != admitted:
         problems.append(f"{len(final['entries'])} ledger rows for {admitted} admitted jobs")
