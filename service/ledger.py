@@ -152,16 +152,14 @@ def append(
     budget lock (:func:`service.db.locked_dataset`): the sums are read, changed and written
     back."""
     dataset = session.get_one(Dataset, job.dataset_id)
-    curve = vec[:_N].tolist() if vec[:_N].any() else None
-    epsilon, delta = float(vec[_N]), float(vec[_N + 1])
     entry = LedgerEntry(
         dataset_id=job.dataset_id,
         job_id=job.id,
         reference=reference,
         kind=kind,
-        rdp=curve,
-        epsilon=epsilon,
-        delta=delta,
+        rdp=vec[:_N].tolist() if vec[:_N].any() else None,
+        epsilon=float(vec[_N]),
+        delta=float(vec[_N + 1]),
         note=note,
         shown_epsilon=_epsilon(vec, dataset.delta),
     )

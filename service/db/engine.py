@@ -64,7 +64,7 @@ def json_loads(text: str | bytes) -> Any:
     spent ~90 µs on each: decoding the 100 rows a budget read shows and the running sums was
     most of the read. msgspec parses them 6–8× faster, and exactly: each number becomes the
     float nearest to it, an integer of any size the same integer, as with :func:`json.loads`
-    (tests/service/test_json_columns.py). What is not strict JSON, such as the ``NaN`` and
+    (tests/service/test_read_path.py). What is not strict JSON, such as the ``NaN`` and
     ``Infinity`` that :func:`json.dumps` writes, msgspec refuses; :func:`json.loads` reads it."""
     try:
         return _decoder.decode(text)
