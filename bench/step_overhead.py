@@ -16,12 +16,14 @@ noise once and takes an SGD step; ours run the product's own step
 :class:`~workers.dp.randomness.SecureStream` into one flat gradient buffer, optimizer step).
 
 Each (model, batch, column) runs in a fresh subprocess, so peak memory is not polluted by other
-runs. Peak memory = the largest memory in use during the first step, counting the model, its
-optimizer, the batch and every transient: on CUDA ``torch.cuda.max_memory_allocated``; on CPU
+runs. Peak memory = the largest memory in use during the first two steps, counting the model,
+its optimizer, the batch and every transient (the second step is a steady one: it holds the
+optimizer's state and the buffers libraries allocate on first use, wherever in the first step
+that use fell): on CUDA ``torch.cuda.max_memory_allocated``; on CPU
 the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before the
 model is built) minus the resident set after every import and a throwaway computation that
 sets up the math libraries (their one-time set-up is no column's cost), with glibc told to
-``mmap`` every block over 64 KiB during that step, so freed tensors leave the resident set at
+``mmap`` every block over 64 KiB during those steps, so freed tensors leave the resident set at
 once. The timed steps then run with glibc's usual heap reuse: after a warm-up of ``--seconds``/2,
 step time is the median of at least ``--steps`` steps, more until ``--seconds`` have passed
 (the median shrugs off the stalls of a shared machine).
@@ -217,6 +219,7 @@ def run_one(
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     step = _build_step(model_name, batch, method, device, style)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
     step()
     sync()
     peak_mb = (

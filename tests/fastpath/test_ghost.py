@@ -44,9 +44,10 @@ def reference(model: nn.Module, x: Tensor, y: Tensor, groups: list[list[str]], c
     return norms, sums
 
 
-def abadi(threshold: float):
+def abadi(per_group: float):
+    """Abadi's clip factor at the per-group threshold R_m, elementwise (the seam's contract)."""
+
     def coef_fn(norms: Tensor) -> Tensor:
-        per_group = threshold / norms.shape[1] ** 0.5  # R/√M (paper 002, eq. 4)
         return torch.clamp(per_group / norms, max=1.0)
 
     return coef_fn
@@ -271,9 +272,10 @@ def test_gradients_formed_during_backward_match(monkeypatch: pytest.MonkeyPatch)
     assert {"GroupNorm", "Conv2d"} <= set(formed)
     formed.clear()
     check(Unused(), *data("image"), "layer_wise")
-    # the unused GroupNorm's hook never fired; the first conv, which the backward pass does
-    # not reach (no book-kept layer below it), formed its gradients right after it
-    assert formed == ["Conv1d"]
+    # the first conv, which the backward pass does not reach (nothing below it), formed its
+    # gradients right after it; so did the unused GroupNorm, whose hook never fired, from a
+    # zero output gradient
+    assert sorted(formed) == ["Conv1d", "GroupNorm"]
 
 
 def test_shared_layer_sums_its_calls() -> None:
@@ -367,8 +369,9 @@ def test_layers_without_per_sample_inputs_fall_back(positions: int) -> None:
 
 
 # ---------------------------------------------------------------- one pass, contract, errors
-def test_one_forward_no_weight_gradients_one_coef_call() -> None:
-    """Book-keeping needs one forward and one backward that never forms a weight gradient."""
+def test_one_forward_no_weight_gradients_one_coef_call_per_group() -> None:
+    """Book-keeping needs one forward and one backward that never forms a weight gradient; each
+    group's factors come from one call on that group's norms."""
     torch.manual_seed(0)
     model, (x, y) = Convs(), data("image")
     forwards, coef_calls = [], []
@@ -382,8 +385,62 @@ def test_one_forward_no_weight_gradients_one_coef_call() -> None:
         warnings.simplefilter("error", FallbackWarning)
         clipped_grad_sum(model, LOSS, x, y, style(model, "layer_wise"), coef_fn)
     assert len(forwards) == 1
-    assert coef_calls == [(7, len(style(model, "layer_wise")))]
+    assert coef_calls == [(7, 1)] * len(style(model, "layer_wise"))
     assert all(p.grad is None for p in model.parameters())
+
+
+class Recording(dict[str, Tensor]):
+    """Clipped-sum buffers that note, for each parameter, whether its sum was added while the
+    backward pass was still running."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__({n: torch.zeros_like(p) for n, p in model.named_parameters()})
+        self.in_backward: dict[str, bool] = {}
+
+    def __getitem__(self, name: str) -> Tensor:
+        self.in_backward[name] = torch._C._current_graph_task_id() != -1
+        return super().__getitem__(name)
+
+
+class Deep(nn.Module):
+    """Four Linear layers, the first called once, one hidden layer called twice (shared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.mid, self.shared, self.head = (
+            nn.Linear(6, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.mid(self.first(x).tanh()).tanh()
+        return self.head(self.shared(self.shared(h).tanh()).tanh())
+
+
+@pytest.mark.parametrize("style_name", ["all_layer", "layer_wise", "param_wise"])
+def test_groups_finish_during_the_backward_pass(style_name: str) -> None:
+    """Paper 002's memory advantage of layer-wise clipping: a group's clipped sums are added to
+    the caller's buffer (and its layers' book-keeping dropped) as soon as its norms are known,
+    while the backward pass still runs. Under all-layer clipping nothing finishes before the end;
+    the first layer (its node never runs) and a shared layer (several calls) finish at the end.
+    The sums are the same either way."""
+    torch.manual_seed(0)
+    model, (x, y) = Deep(), data("flat")
+    groups = style(model, style_name)
+    out = Recording(model)
+    norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5), out=out)
+    assert sums is out
+    early = {name for name, during in out.in_backward.items() if during}
+    if style_name == "all_layer":
+        assert early == set()
+    else:
+        assert early == {"mid.weight", "mid.bias", "head.weight", "head.bias"}
+    ref_norms, ref_sums = reference(model, x, y, groups, abadi(0.5))
+    assert_close(norms, ref_norms, "norms")
+    for name, value in ref_sums.items():
+        assert_close(dict.__getitem__(out, name), value, name)
 
 
 def test_empty_batch_gives_zero_sums() -> None:

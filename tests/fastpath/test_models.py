@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from workers.dp.clipping import coefficient_fn
 from workers.dp.ghost import FallbackWarning, clipped_grad_sum
 
 models = pytest.importorskip("workers.models")
@@ -42,10 +43,8 @@ def test_builtin_model_matches_general_path(name: str) -> None:
     model = models.build_model(config.ModelConfig(name=name, options=options), shape, 3)
     x, y = torch.randn(batch, *shape), torch.arange(batch) % 3
 
-    def coef_fn(norms: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(0.3 / norms.shape[1] ** 0.5 / norms, max=1.0)
-
     for groups in _styles(model):
+        coef_fn = coefficient_fn("abadi", 0.3, len(groups))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, coef_fn)

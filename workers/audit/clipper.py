@@ -1,8 +1,8 @@
 """White-box canaries enter the engine through its clipper seam.
 
-:class:`CanaryClipper` wraps the clipper a trial uses (``clipped_grad_sum(model, loss_fn, inputs,
-targets, groups, coef_fn) -> (norms, sums)``). The audited data set holds one placeholder row per
-included canary whose target is −1 − (canary id) — never a label, since every label is ≥ 0
+:class:`CanaryClipper` wraps the clipper a trial uses (``workers.dp.engine.Clipper``). The
+audited data set holds one placeholder row per included canary whose target is −1 − (canary id)
+— never a label, since every label is ≥ 0
 (``workers.data.check``) — so canaries are Poisson-sampled with the real examples, by the same
 draw, and may land in any micro-batch. For each such row the wrapper adds the canary's gradient
 C·u_i, clipped by the engine's own clip function ``coef_fn``, to the clipped sum, and reports its
@@ -50,6 +50,7 @@ class CanaryClipper:
         targets: Tensor,
         groups: list[list[str]],
         coef_fn: CoefFn,
+        out: dict[str, Tensor] | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         is_canary = targets < 0
         norms, sums = self._real(
@@ -57,18 +58,22 @@ class CanaryClipper:
         )
         self.real_sum += self._flat(sums)
         ids = -1 - targets[is_canary]
-        if len(ids) == 0:
+        if len(ids):
+            threshold = self.threshold()
+            factors = self.canaries.clipped_factors(coef_fn, threshold)
+            added = self._unflat(self.canaries.contributions(ids, factors, threshold))
+            sums = {name: s + added[name] for name, s in sums.items()}
+            canary_norms = torch.full(
+                (len(ids), len(groups)),
+                group_thresholds(threshold, len(groups)),
+                dtype=torch.float64,
+            )
+            norms = torch.cat([norms, canary_norms.to(norms.device)])
+        if out is None:
             return norms, sums
-        threshold = self.threshold()
-        factors = self.canaries.clipped_factors(coef_fn, threshold)
-        added = self._unflat(self.canaries.contributions(ids, factors, threshold))
-        canary_norms = torch.full(
-            (len(ids), len(groups)), group_thresholds(threshold, len(groups)), dtype=torch.float64
-        )
-        return (
-            torch.cat([norms, canary_norms.to(norms.device)]),
-            {name: s + added[name] for name, s in sums.items()},
-        )
+        for name, s in sums.items():
+            out[name].add_(s)
+        return norms, out
 
     def take_real_sum(self) -> Tensor:
         """The real examples' clipped sum since the last call, flattened [P]; resets it."""

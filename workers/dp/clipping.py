@@ -7,9 +7,11 @@ gradient has norm at most ‖[R_1, …, R_M]‖₂ = R and one Gaussian noise of
 
 Hostile records (docs/design.md, invariant 9) are handled here for both clippers: squared norms are
 accumulated in float64 (``sq_norms``), so a finite example gets a finite norm even when its
-squared norm overflows float32; an example with any non-finite group norm gets clip factor 0
-(``clip_factors``) and its rows are zeroed before any product (``zero_rows``), since
-0·NaN = NaN; factors are cast to the gradients' dtype without overflowing (``factors_as``).
+squared norm overflows float32; an example gets clip factor 0 in every group where its norm is
+not finite (``clip_factors``), and its rows are zeroed before any product that adds to such a
+group (``zero_rows``), since 0·NaN = NaN; factors are cast to the gradients' dtype without
+overflowing (``factors_as``). Zeroing a group never raises the sensitivity: every example still
+adds at most R_m to each group, so at most R in all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from torch import Tensor, nn
 from core.config import ClippingFunction
 
 GroupSpec = str | Sequence[Sequence[str]] | None
+#: The clip factor as a function of group norms, elementwise: a block [B, k] of any k groups'
+#: norms gives their factors [B, k] (every group has the same R_m = R/√M), so a clipper can
+#: clip each group as soon as its own norms are known.
 CoefFn = Callable[[Tensor], Tensor]
 
 # Most elements ``sq_norms`` reduces in float64 at once (bounds its transient memory).
@@ -93,7 +98,7 @@ def group_thresholds(threshold: float, num_groups: int) -> float:
 def coefficient_fn(
     function: ClippingFunction, threshold: float, num_groups: int, gamma: float = 0.01
 ) -> CoefFn:
-    """The per-sample, per-group clip factor C(g; R_m) as a function of the norms [B, M].
+    """The per-sample, per-group clip factor C(g; R_m) as a function of norms [B, k], elementwise.
 
     ``abadi``: min(1, R_m/‖g‖) (Abadi et al. 2016). ``auto_s``: R_m/(‖g‖ + γ) and ``auto_v``:
     R_m/‖g‖ (paper 003, automatic clipping); each keeps ‖C·g‖ ≤ R_m, so the sensitivity bound is
@@ -135,19 +140,18 @@ def sq_norms(rows: Tensor) -> Tensor:
 
 
 def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
-    """``coef_fn(norms)`` [B, M], with factor 0 for every example that has a non-finite norm
-    in any group (and for any non-finite factor): such an example contributes nothing."""
+    """``coef_fn(norms)`` for norms [B, k], with factor 0 wherever the norm or the factor is not
+    finite: an example contributes nothing to a group where its norm is not finite."""
     coef = coef_fn(norms)
     if coef.shape != norms.shape:
         raise ValueError(
             f"coef_fn: must return shape {tuple(norms.shape)}, got {tuple(coef.shape)}"
         )
-    usable = finite_examples(norms).unsqueeze(1) & coef.isfinite()
-    return torch.where(usable, coef, 0)
+    return torch.where(norms.isfinite() & coef.isfinite(), coef, 0)
 
 
 def finite_examples(norms: Tensor) -> Tensor:
-    """[B] bool: the examples whose norms [B, M] are finite in every group."""
+    """[B] bool: the examples whose norms [B, k] are finite in every one of the k groups."""
     return norms.isfinite().all(1)
 
 

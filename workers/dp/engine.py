@@ -14,8 +14,9 @@ invariant 1).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -27,9 +28,23 @@ from workers.dp.grads import LossFn
 from workers.dp.optim import AdamBC
 from workers.dp.randomness import SecureStream
 
-Clipper = Callable[
-    [nn.Module, LossFn, Tensor, Tensor, list[list[str]], CoefFn], tuple[Tensor, dict[str, Tensor]]
-]
+
+class Clipper(Protocol):
+    """The clipper seam: per-sample norms [B, M] (float64) and, for every trainable parameter,
+    Σ_i coef[i, m] · g_i clipped per group by ``coef_fn`` — added into ``out`` when it is given
+    (views of the engine's gradient buffer: no model-sized temporary), else into fresh zeros;
+    the sums are returned either way."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: Tensor,
+        targets: Tensor,
+        groups: list[list[str]],
+        coef_fn: CoefFn,
+        out: dict[str, Tensor] | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -88,21 +103,19 @@ class PrivateStep:
         ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
         threshold = self.rule.threshold
         coef_fn = coefficient_fn(self.clipping, threshold, len(self.groups), self.gamma)
-        # z is drawn straight into the buffer, then σ_T·C_t·z + Σ clipped sums, then / B: no
-        # temporary of the model's size besides the clipper's sums of one micro-batch.
+        # z is drawn straight into the buffer, then σ_T·C_t·z, the clipper adds each clipped
+        # sum into it as soon as it is formed, then / B: no temporary of the model's size.
         self.noise.normal(self.flat.numel(), out=self.flat)
         self.flat.mul_(self.grad_noise * threshold)
+        out = dict(zip(self.params, self.views, strict=True))
         norms = [torch.zeros(0)]
         for inputs, targets in batches:
             if len(inputs) == 0:
                 continue
-            group_norms, batch_sums = self.clipper(
-                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn
+            group_norms, _ = self.clipper(
+                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=out
             )
             norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
-            for view, name in zip(self.views, self.params, strict=True):
-                view.add_(batch_sums[name].detach())
-            del batch_sums
         self.flat.div_(self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views, strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)

@@ -3,12 +3,13 @@
 It materializes every example's gradient (memory B × #params), so it works for any model the
 functional API can trace; the fast path (``workers.dp.ghost``) computes the same quantities
 without materializing them where it can. Both implement the clipper seam
-``clipped_grad_sum(model, loss_fn, inputs, targets, groups, coef_fn) -> (norms, sums)``.
+``clipped_grad_sum(model, loss_fn, inputs, targets, groups, coef_fn, out=None) -> (norms, sums)``
+(``workers.dp.engine.Clipper``).
 
 Each clipped sum is formed from the very per-sample gradients whose norms were taken, so an
 example's contribution c·g_i has norm c·‖g_i‖ ≤ R_m up to the rounding of one product; norms are
-accumulated in float64 and examples with a non-finite norm contribute zero (invariant 9, see
-``workers.dp.clipping``).
+accumulated in float64 and an example contributes zero to a group where its norm is not finite
+(invariant 9, see ``workers.dp.clipping``).
 """
 
 from __future__ import annotations
@@ -61,20 +62,21 @@ def clipped_grad_sum(
     targets: Tensor,
     groups: list[list[str]],
     coef_fn: CoefFn,
+    out: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-sample norms [B, M] (float64) and Σ_i coef[i, m(name)]·g_i[name] for every
-    parameter; an example with a non-finite norm adds nothing (its gradients are zeroed)."""
+    parameter, added into ``out`` when given (else into zeros); an example adds nothing to a
+    group where its norm is not finite (its gradients there are zeroed)."""
     grads = per_sample_grads(model, loss_fn, inputs, targets)
     norms = group_norms(grads, groups)
-    coef = clip_factors(coef_fn, norms)
-    keep = finite_examples(norms)
-    clean = bool(keep.all())
-
-    def clipped_sum(m: int, g: Tensor) -> Tensor:
-        rows = g if clean else zero_rows(g, keep)  # one parameter's copy at a time
-        return torch.tensordot(factors_as(coef[:, m], g.dtype), rows, dims=1)
-
-    sums = {name: clipped_sum(m, grads[name]) for m, group in enumerate(groups) for name in group}
+    sums = out if out is not None else {name: torch.zeros_like(g[0]) for name, g in grads.items()}
+    for m, group in enumerate(groups):
+        coef = clip_factors(coef_fn, norms[:, m : m + 1])[:, 0]
+        keep = finite_examples(norms[:, m : m + 1])
+        for name in group:
+            g = grads.pop(name)
+            rows = g if bool(keep.all()) else zero_rows(g, keep)  # one parameter at a time
+            sums[name].add_(torch.tensordot(factors_as(coef, g.dtype), rows, dims=1).detach())
     return norms, sums
 
 

@@ -4,23 +4,30 @@ Paper 002, Algorithm 1 (book-keeping, Bu et al. 2022c): the forward pass records
 layer's input ``a``; one backward pass computes only the output gradients ``∂L/∂s`` of those
 layers (``torch.autograd.grad`` on their outputs' gradient edges, so autograd never forms a
 weight gradient); the per-sample norms of every layer follow from ``a`` and ``∂L/∂s``
-(``layers.py``), the clip factors ``C = coef_fn(norms)`` are computed once for all groups, and
-each clipped sum is ``aᵀ · diag(C) · ∂L/∂s`` — no second backward pass for any clipping style.
+(``layers.py``), the clip factors ``C = coef_fn(norms)`` follow group by group, and each clipped
+sum is ``aᵀ · diag(C) · ∂L/∂s`` — no second backward pass for any clipping style.
+
+Groups finish as early as they can (paper 002: layer-wise and group-wise clipping need not hold
+every layer's book-keeping until the backward pass ends). A hook on each layer's output node
+captures ``∂L/∂s`` when the backward pass reaches it; once every parameter of a group has its
+norm, the group's factors are computed, and once every group of a layer is clipped, the layer's
+clipped sums are added into the caller's buffer and its ``a`` and ``∂L/∂s`` dropped. Under
+all-layer clipping the one group is complete only at the end, so everything is held until then
+(Fact 6.1's peak); under layer-wise clipping each layer is finished while the backward pass goes
+on. Layers called several times, and layers whose node the backward pass does not run (the
+first layer: nothing book-kept lies below it), get their ``∂L/∂s`` from the backward pass's
+result at the end.
+
+Layers whose per-sample gradients are worth holding instead of ``a`` and ``∂L/∂s`` (norm layers,
+convolutions over many positions: see ``LayerRule.keeps_per_sample``) form them from the captured
+``∂L/∂s`` and drop ``a`` and ``∂L/∂s``. Norms and sums then come from the very same per-sample
+tensors, so they agree in any precision.
 
 Hostile records (docs/design.md, invariant 9): norms are float64 (``layers.py`` explains the
-guard that keeps norms over several positions an upper bound on what is summed); an example with a
-non-finite norm gets clip factor 0 and its rows of ``a``, ``∂L/∂s``, kept per-sample gradients
-and ``torch.func`` gradients are zeroed before any product (0·NaN = NaN), one layer at a time.
-
-The seam gives ``coef_fn`` the whole [B, M] matrix at once (adaptive rules need every norm), so
-``a`` and ``∂L/∂s`` are book-kept until the end of the backward pass: the peak memory of paper
-002's all-layer style (Fact 6.1) for every style. Layers whose per-sample gradients are worth
-holding instead of ``a`` and ``∂L/∂s`` (norm layers, convolutions over many positions: see
-``LayerRule.keeps_per_sample``) instead form them in
-the backward pass, from a hook on their output's autograd node, and drop ``a`` and ``∂L/∂s``;
-one the backward pass does not run (the first layer: nothing book-kept lies below it) forms
-them from its captured ``∂L/∂s`` right after. Norms and sums then come from the very same
-per-sample tensors, so they agree in any precision.
+guard that keeps norms over several positions an upper bound on what is summed); an example gets
+clip factor 0 in a group where its norm is not finite, and its rows of a layer's ``a``,
+``∂L/∂s``, kept per-sample gradients and ``torch.func`` gradients are zeroed before any product
+(0·NaN = NaN) when its norm is not finite in any group of that layer's parameters.
 
 Parameters of any other module (recurrent layers, attention modules using raw parameters, layers
 that share a parameter, modules whose parameters are used without calling them) get exact
@@ -46,17 +53,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from workers.dp.clipping import (
-    CoefFn,
-    clip_factors,
-    factors_as,
-    finite_examples,
-    sq_norms,
-    zero_rows,
-)
+from workers.dp.clipping import CoefFn, clip_factors, factors_as, sq_norms, zero_rows
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+Sums = dict[str, Tensor]
 
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
@@ -88,7 +89,131 @@ class _Layer:
     order: int = -1  # position of its first call in the forward pass
     inputs: list[Tensor] = field(default_factory=list)
     outputs: list[tuple[GradientEdge, torch.Size, torch.dtype]] = field(default_factory=list)
-    kept: dict[str, Tensor] | None = None  # per-sample gradients formed during the backward
+    calls: list[Call] = field(default_factory=list)  # book-kept (a, ∂L/∂s), once known
+    kept: dict[str, Tensor] | None = None  # or its per-sample gradients instead
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.params.values())
+
+    def squares(self) -> dict[str, Tensor]:
+        """Per-sample squared norm [B] (float64) of each of its parameters, by full name."""
+        if self.kept is not None:
+            by_attr = {attr: sq_norms(g) for attr, g in self.kept.items()}
+        else:
+            by_attr = self.rule.sq_norms(self.module, self.calls)
+        return {self.params[attr]: value for attr, value in by_attr.items()}
+
+    def add_sums(self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Sums) -> None:
+        """Add the clipped sums of its parameters into ``out``, for factors ``coef`` (both by
+        full name), from its tensors passed through ``rows`` (which zeroes dropped examples)."""
+        if self.kept is not None:
+            for attr, g in self.kept.items():
+                out[self.params[attr]].add_(_clipped(coef[self.params[attr]], rows(g)))
+            return
+        calls = [Call(rows(c.activation), rows(c.grad)) for c in self.calls]
+        self.rule.add_sums(
+            self.module,
+            calls,
+            {attr: coef[name] for attr, name in self.params.items()},
+            {attr: out[name] for attr, name in self.params.items()},
+        )
+
+    def release(self) -> None:
+        self.inputs.clear()
+        self.calls.clear()
+        self.kept = None
+
+
+@dataclass
+class _Fallback:
+    """The ``torch.func`` per-sample gradients of the parameters no rule handles."""
+
+    grads: dict[str, Tensor]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.grads)
+
+    def squares(self) -> dict[str, Tensor]:
+        return {name: sq_norms(g) for name, g in self.grads.items()}
+
+    def add_sums(self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Sums) -> None:
+        for name, g in self.grads.items():
+            out[name].add_(_clipped(coef[name], rows(g)))
+
+    def release(self) -> None:
+        self.grads.clear()
+
+
+def _clipped(coef: Tensor, per_sample: Tensor) -> Tensor:
+    """Σ_i coef[i] · per_sample[i], in the gradients' dtype."""
+    return torch.tensordot(factors_as(coef, per_sample.dtype), per_sample, dims=1)
+
+
+class _Groups:
+    """Clips each group as soon as every unit (a layer, or the fallback) holding its parameters
+    has arrived, and adds each unit's clipped sums into ``out`` as soon as every group of its
+    parameters is clipped, then frees the unit's tensors.
+
+    A unit's norms are taken only once one of its groups is complete: work done earlier would
+    add its transients to the backward pass's peak without freeing anything before the end.
+    """
+
+    def __init__(
+        self,
+        groups: list[list[str]],
+        group_of: dict[str, int],
+        coef_fn: CoefFn,
+        out: dict[str, Tensor],
+        like: Tensor,
+    ) -> None:
+        self.group_of, self.coef_fn, self.out = group_of, coef_fn, out
+        self.norms = like.new_zeros(len(groups), like.shape[0], dtype=torch.float64)
+        self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
+        self.coef: dict[int, Tensor] = {}
+        self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
+        self.measured: list[_Layer | _Fallback] = []  # norms taken, sums not added yet
+
+    def _groups(self, unit: _Layer | _Fallback) -> set[int]:
+        return {self.group_of[name] for name in unit.names}
+
+    def add(self, unit: _Layer | _Fallback) -> None:
+        self.arrived.append(unit)
+        for name in unit.names:
+            self.missing[self.group_of[name]] -= 1
+        complete = {m for m in self._groups(unit) if not self.missing[m]}
+        if not complete:
+            return
+        for other in [u for u in self.arrived if self._groups(u) & complete]:
+            for name, square in other.squares().items():
+                self.norms[self.group_of[name]] += square
+            self.arrived.remove(other)
+            self.measured.append(other)
+        for m in complete:
+            self.norms[m].sqrt_()
+            self.coef[m] = clip_factors(self.coef_fn, self.norms[m].unsqueeze(1))[:, 0]
+        self.measured = [u for u in self.measured if not self._sum(u)]
+
+    def _sum(self, unit: _Layer | _Fallback) -> bool:
+        """Add ``unit``'s clipped sums to ``out`` if all its groups are clipped."""
+        groups = sorted(self._groups(unit))
+        if any(m not in self.coef for m in groups):
+            return False
+        keep = self.norms[groups].isfinite().all(0)
+        clean = bool(keep.all())
+
+        def rows(x: Tensor) -> Tensor:
+            return x if clean or not x.is_floating_point() else zero_rows(x, keep)
+
+        unit.add_sums({name: self.coef[self.group_of[name]] for name in unit.names}, rows, self.out)
+        unit.release()
+        return True
+
+    def done(self) -> Tensor:
+        """The norms [B, M], once every unit is added."""
+        assert not self.arrived and not self.measured, "a group was never clipped"
+        return self.norms.T
 
 
 def _fall_back(module_name: str, module: nn.Module, reason: str) -> None:
@@ -191,47 +316,53 @@ def _keeps(layer: _Layer) -> bool:
     )
 
 
-def _split_kept(layers: list[_Layer]) -> tuple[list[_Layer], list[_Layer]]:
-    """Layers whose per-sample gradients are formed in the backward pass, and the others.
-
-    A layer can keep per-sample gradients only if its node runs in the backward pass, i.e. if
-    it leads to the output of a book-kept layer below it; layers are visited bottom-up (forward
-    order) so that set is complete when a layer is decided. A layer that would keep them but
-    is not reached (typically the first layer) forms them right after the backward pass.
-    """
-    kept, booked = [], []
-    targets: set[Node] = set()
+def _hooked(layers: list[_Layer]) -> list[_Layer]:
+    """The layers whose ``∂L/∂s`` a hook on their output node captures during the backward pass:
+    those called once whose node the backward pass runs, i.e. that lead to the output of another
+    layer below them (whose gradient is captured or computed). Layers are visited bottom-up
+    (forward order), so that set is complete when a layer is decided."""
+    hooked = []
+    below: set[Node] = set()
     dead_ends: set[Node] = set()
     for layer in sorted(layers, key=lambda item: item.order):
-        if _keeps(layer) and _reaches(layer.outputs[0][0].node, targets, dead_ends):
-            kept.append(layer)
-        else:
-            booked.append(layer)
-            targets.update(out[0].node for out in layer.outputs)
-    return kept, booked
+        if len(layer.outputs) == 1 and _reaches(layer.outputs[0][0].node, below, dead_ends):
+            hooked.append(layer)
+        below.update(out[0].node for out in layer.outputs)
+    return hooked
 
 
-def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
-    """The one backward pass: output gradients of the book-kept layers' calls (none of the
-    weights), while hooks form the per-sample gradients of the other layers."""
-    kept, booked = _split_kept(layers)
+def _ready(layer: _Layer, calls: list[Call], groups: _Groups) -> None:
+    """Give ``layer`` its calls — or the per-sample gradients formed from its one call, where its
+    rule keeps them — drop its recorded inputs, and hand it to ``groups``."""
+    if _keeps(layer):
+        layer.kept = layer.rule.per_sample(layer.module, calls[0])
+    else:
+        layer.calls = calls
+    layer.inputs.clear()
+    groups.add(layer)
 
-    def keep(layer: _Layer, output_nr: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        if grad_outputs[output_nr] is not None:
-            layer.kept = layer.rule.per_sample(
-                layer.module, Call(layer.inputs[0], grad_outputs[output_nr])
-            )
-            layer.inputs.clear()  # a is no longer needed: free it as the backward goes
+
+def _backward(losses: Tensor, layers: list[_Layer], groups: _Groups) -> None:
+    """The one backward pass: hooks capture the hooked layers' output gradients and hand each
+    layer to ``groups`` as the pass goes; the pass itself computes the other layers' output
+    gradients (none of the weights), handed over at its end."""
+    hooked = _hooked(layers)
+    rest = [layer for layer in layers if all(layer is not h for h in hooked)]
+
+    def capture(layer: _Layer, output_nr: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        g = grad_outputs[output_nr]
+        if g is not None:
+            _ready(layer, [Call(layer.inputs[0], g)], groups)
 
     handles = [
         layer.outputs[0][0].node.register_prehook(
-            functools.partial(keep, layer, layer.outputs[0][0].output_nr)
+            functools.partial(capture, layer, layer.outputs[0][0].output_nr)
         )
-        for layer in kept
+        for layer in hooked
     ]
     recorded = [
         (layer, x, out)
-        for layer in booked
+        for layer in rest
         for x, out in zip(layer.inputs, layer.outputs, strict=True)
     ]
     try:
@@ -243,24 +374,23 @@ def _backward(losses: Tensor, layers: list[_Layer]) -> dict[str, list[Call]]:
     finally:
         for handle in handles:
             handle.remove()
-    calls: dict[str, list[Call]] = {layer.name: [] for layer in booked}
-    for (layer, x, (_, shape, dtype)), g in zip(recorded, grads, strict=True):
-        if g is None:  # this call's output did not reach the loss
-            g = torch.zeros(shape, dtype=dtype, device=x.device)
-        calls[layer.name].append(Call(x, g))
+    calls: dict[str, list[Call]] = {layer.name: [] for layer in rest}
+    for (layer, x, out), g in zip(recorded, grads, strict=True):
+        calls[layer.name].append(_call(x, g, out))
     del recorded, grads
-    for layer in booked:
-        if _keeps(layer):  # not reached by the backward pass: form them now, drop a and ∂L/∂s
-            layer.kept = layer.rule.per_sample(layer.module, calls.pop(layer.name)[0])
-            layer.inputs.clear()
-            kept.append(layer)
-    for layer in kept:
-        if layer.kept is None:  # its output did not reach the loss
-            layer.kept = {
-                attr: (p := getattr(layer.module, attr)).new_zeros(len(losses), *p.shape)
-                for attr in layer.params
-            }
-    return calls
+    for layer in rest:
+        _ready(layer, calls.pop(layer.name), groups)
+    for layer in hooked:
+        if layer.inputs:  # its output did not reach the loss: the hook never ran
+            _ready(layer, [_call(layer.inputs[0], None, layer.outputs[0])], groups)
+
+
+def _call(x: Tensor, g: Tensor | None, out: tuple[GradientEdge, torch.Size, torch.dtype]) -> Call:
+    """One call's input and output gradient; zero if its output did not reach the loss."""
+    if g is None:
+        _, shape, dtype = out
+        g = torch.zeros(shape, dtype=dtype, device=x.device)
+    return Call(x, g)
 
 
 def _per_sample_grads(
@@ -301,20 +431,24 @@ def clipped_grad_sum(
     targets: Tensor,
     groups: list[list[str]],
     coef_fn: CoefFn,
+    out: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipper seam, fast path: ``(norms [B, M], {name: Σ_i coef[i, m(name)] · g_i[name]})``.
+    """The clipper seam, fast path: ``(norms [B, M], {name: Σ_i coef[i, m(name)] · g_i[name]})``,
+    the sums added into ``out`` when given (``workers.dp.engine.Clipper``).
 
     Same contract and results as the general ``torch.func`` path (``workers/dp/grads.py``);
-    norms are float64, and an example with a non-finite norm adds nothing to any sum.
+    norms are float64, and an example adds nothing to a group where its norm is not finite.
     """
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     group_of = _group_index(groups, params)
+    sums = out if out is not None else {n: torch.zeros_like(p) for n, p in params.items()}
     batch = inputs.shape[0]
-    first = next(iter(params.values()))
     if batch == 0:  # an empty Poisson batch: zero sums, and coef_fn sees it as on the general path
-        norms = torch.zeros(0, len(groups), dtype=torch.float64, device=first.device)
+        norms = torch.zeros(
+            0, len(groups), dtype=torch.float64, device=next(iter(params.values())).device
+        )
         coef_fn(norms)
-        return norms, {n: torch.zeros_like(p) for n, p in params.items()}
+        return norms, sums
     layers, fallback = _plan(model, params)
 
     losses = loss_fn(_record(model, layers, inputs), targets)
@@ -332,42 +466,9 @@ def clipped_grad_sum(
             _fall_back(layer.name, layer.module, reason)
             fallback += layer.params.values()
     layers = [layer for layer in layers if layer.inputs and not layer.shared]
-    calls = _backward(losses, layers)
+    clipping = _Groups(groups, group_of, coef_fn, sums, losses)
+    _backward(losses, layers, clipping)
     del losses
-    fallback_grads = (
-        _per_sample_grads(model, loss_fn, inputs, targets, fallback) if fallback else {}
-    )
-
-    squares = {n: sq_norms(g) for n, g in fallback_grads.items()}
-    for layer in layers:
-        if layer.kept is not None:
-            layer_sq = {k: sq_norms(v) for k, v in layer.kept.items()}
-        else:
-            layer_sq = layer.rule.sq_norms(layer.module, calls[layer.name])
-        squares.update({layer.params[attr]: value for attr, value in layer_sq.items()})
-    norms = torch.zeros(batch, len(groups), dtype=torch.float64, device=first.device)
-    for name, value in squares.items():
-        norms[:, group_of[name]] += value
-    norms = norms.sqrt()
-
-    coef = clip_factors(coef_fn, norms)
-    keep = finite_examples(norms)
-    clean = bool(keep.all())
-
-    def rows(x: Tensor) -> Tensor:
-        """``x`` without the rows of examples whose norm is not finite (ids stay as they are)."""
-        return x if clean or not x.is_floating_point() else zero_rows(x, keep)
-
-    def clipped(m: int, g: Tensor) -> Tensor:
-        return torch.tensordot(factors_as(coef[:, m], g.dtype), rows(g), dims=1)
-
-    sums = {n: clipped(group_of[n], g) for n, g in fallback_grads.items()}
-    for layer in layers:
-        if layer.kept is not None:
-            layer_sums = {k: clipped(group_of[layer.params[k]], v) for k, v in layer.kept.items()}
-        else:
-            layer_calls = [Call(rows(c.activation), rows(c.grad)) for c in calls[layer.name]]
-            layer_coef = {attr: coef[:, group_of[n]] for attr, n in layer.params.items()}
-            layer_sums = layer.rule.sums(layer.module, layer_calls, layer_coef)
-        sums.update({layer.params[attr]: value for attr, value in layer_sums.items()})
-    return norms, {n: sums[n] for n in params}
+    if fallback:
+        clipping.add(_Fallback(_per_sample_grads(model, loss_fn, inputs, targets, fallback)))
+    return clipping.done(), sums

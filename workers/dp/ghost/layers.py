@@ -250,19 +250,24 @@ class LayerRule:
             out["weight"] = self.weight_sq_norms(module, calls)
         return out
 
-    def sums(
-        self, module: nn.Module, calls: Sequence[Call], coef: dict[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """``Σ_i coef[k][i] · ∂L_i/∂param_k`` for each trainable parameter, by attribute, in
-        the parameter's dtype."""
-        out = {
-            k: torch.tensordot(factors_as(coef[k], v.dtype), v, dims=1)
-            for k, v in self.small(module, calls).items()
-        }
+    def add_sums(
+        self,
+        module: nn.Module,
+        calls: Sequence[Call],
+        coef: dict[str, Tensor],
+        out: dict[str, Tensor],
+    ) -> None:
+        """Add ``Σ_i coef[k][i] · ∂L_i/∂param_k`` into ``out[k]`` for each trainable parameter
+        k, by attribute."""
+        for k, v in self.small(module, calls).items():
+            out[k].add_(torch.tensordot(factors_as(coef[k], v.dtype), v, dims=1))
         if self.has_weight_matrix and _trainable(module, "weight"):
-            weight = module.weight
-            out["weight"] = self.weight_sum(module, calls, coef["weight"]).to(weight.dtype)
-        return out
+            self.add_weight_sum(module, calls, coef["weight"], out["weight"])
+
+    def add_weight_sum(
+        self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
+    ) -> None:
+        out.add_(self.weight_sum(module, calls, coef))
 
 
 def _bias_rows(module: nn.Module, calls: Sequence[Call], channel_dim: int) -> dict[str, Tensor]:
@@ -313,6 +318,16 @@ class LinearRule(LayerRule):
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         return positions_sum(*self._positions(calls), coef)[0]
+
+    def add_weight_sum(
+        self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
+    ) -> None:
+        """Rank one (one position, one call): ``out += (diag(C)·g)ᵀ · a`` in one matmul straight
+        into the buffer, with no temporary of the weight's size."""
+        if len(calls) == 1 and calls[0].grad.dim() == 2 and out.dtype == calls[0].grad.dtype:
+            out.addmm_(_scaled(calls[0].grad, coef).T, calls[0].activation)
+        else:
+            super().add_weight_sum(module, calls, coef, out)
 
 
 class ConvRule(LayerRule):
