@@ -13,10 +13,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from randomgen import AESCounter
 from scipy import stats
 
 from core.config import TrialConfig
 from workers.data import Dataset, hold_out
+from workers.dp import randomness
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import poisson_batches
 from workers.trial import run_trial
@@ -79,6 +81,26 @@ def test_gradient_noise_is_standard_normal() -> None:
     assert SecureStream().normal((3, 4), dtype=torch.float64).shape == (3, 4)
 
 
+def test_gaussians_are_box_muller_of_the_streams_uniforms() -> None:
+    """Each chunk of noise is r·cos θ then r·sin θ, with r = √(−2 ln(1 − u₁)) and θ = 2πu₂ in
+    float32, from the stream's uniforms in their order: all the chunk's u₁, then its u₂."""
+    key = 2**127 + 12345
+    pairs = randomness.CHUNK + 3  # a whole chunk, then a short one with an odd tail
+    n = 2 * pairs - 1
+    stream = SecureStream()
+    stream.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+    z = stream.normal(n)
+    uniforms = np.random.Generator(AESCounter(key=key, counter=0))
+    expected = []
+    for size in (randomness.CHUNK, pairs - randomness.CHUNK):
+        u1, u2 = uniforms.random(size), uniforms.random(size)
+        radius = torch.from_numpy(1.0 - u1).float().log().mul(-2.0).sqrt()
+        angle = torch.from_numpy(u2).float().mul(2 * np.pi)
+        expected += [radius * angle.cos(), radius * angle.sin()]
+    expected[-1] = expected[-1][:-1]
+    assert torch.equal(z, torch.cat(expected))
+
+
 def test_sampling_compares_in_float64() -> None:
     """float32 uniforms are multiples of 2⁻²⁴, so ``u < q`` with a float32 ``u`` holds with
     probability ceil(q·2²⁴)/2²⁴ ≥ q — up to twice q for q near 2⁻²⁵. Secure uniforms are
@@ -136,9 +158,11 @@ def test_gaussian_tails_are_not_cut_at_float32_resolution() -> None:
     """The largest radius Box–Muller can produce is √(−2 ln 2⁻⁵³) ≈ 8.57σ with 53-bit uniforms
     (6.66σ with 32-bit ones, a truncation the accountant does not price)."""
 
-    class Extreme(SecureStream):  # test double: the most extreme uniforms
+    draws = [[1 - 2**-53], [0.0]]  # the most extreme uniforms: u₁, then u₂
+
+    class Extreme(SecureStream):  # test double
         def uniform(self, n: int) -> torch.Tensor:
-            return torch.tensor([1 - 2**-53, 0.0], dtype=torch.float64)
+            return torch.tensor(draws.pop(0), dtype=torch.float64)
 
     (z, _) = Extreme().normal(2).tolist()
     assert z == pytest.approx((2 * 53 * np.log(2)) ** 0.5, rel=1e-6)

@@ -37,7 +37,7 @@ import torch
 from randomgen import AESCounter
 from torch import Tensor
 
-#: Gaussian pairs drawn per chunk (1 MiB of float64 uniforms)
+#: Gaussian pairs drawn per chunk (two draws of 512 KiB of float64 uniforms)
 CHUNK = 1 << 16
 
 
@@ -84,7 +84,9 @@ class SecureStream:
     def _box_muller(self, out: Tensor) -> Tensor:
         """Fill the flat CPU tensor ``out`` with standard normals: pairs r·cos θ, r·sin θ with
         r = √(−2 ln v), v = 1 − u₁ from a 53-bit u₁ (see the module docstring), and θ = 2πu₂,
-        in chunks of at most ``CHUNK`` pairs so the float64 transients stay small.
+        in chunks of at most ``CHUNK`` pairs so the float64 transients stay small: the radii's
+        uniforms, then the angles' (the order the stream has always given them in), each freed
+        once converted, with 1 − u₁ formed in place.
 
         v is exact in float64 and, cast to float32 (or ``out``'s dtype if wider), keeps its
         full range: the smallest v = 2⁻⁵³ is a power of two, so the tail still reaches 8.57σ,
@@ -94,9 +96,10 @@ class SecureStream:
         for start in range(0, len(out), 2 * CHUNK):
             part = out[start : start + 2 * CHUNK]
             half = (len(part) + 1) // 2  # pairs: an odd tail drops its last sine
-            u = self.uniform(2 * half).view(2, -1)
-            radius = torch.rsub(u[0], 1.0).to(work).log_().mul_(-2.0).sqrt_()
-            angle = u[1].to(work).mul_(2 * math.pi)
+            v = self.uniform(half).neg_().add_(1.0)  # exact: u₁ is a multiple of 2⁻⁵³ below 1
+            radius = v.to(work).log_().mul_(-2.0).sqrt_()
+            del v
+            angle = self.uniform(half).to(work).mul_(2 * math.pi)
             torch.mul(radius, torch.cos(angle), out=part[:half])
             part[half:] = radius.mul_(angle.sin_())[: len(part) - half]
         return out
