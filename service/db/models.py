@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     MetaData,
     String,
     Table,
@@ -187,9 +188,13 @@ class LedgerEntry(Base):
     on K: its curve plus the cap's tail probability as (0, δ))."""
 
     __tablename__ = "ledger_entry"
+    #: a dataset's rows in id order: its newest rows (a budget read) and a page after a row
+    #: read only the rows they return. An index on ``dataset_id`` alone made PostgreSQL read
+    #: and sort all the dataset's rows to return the newest (SQLite's indexes end with the id)
+    __table_args__ = (Index("ix_ledger_entry_dataset_id_id", "dataset_id", "id"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    dataset_id: Mapped[int] = mapped_column(ForeignKey("dataset.id"), index=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("dataset.id"))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("job.id"), index=True)
     reference: Mapped[str] = mapped_column(String(200), unique=True)
     kind: Mapped[str] = mapped_column(String(16))  # "reservation" | "charge" | "release"
