@@ -11,7 +11,11 @@ admitted jobs are reserved and never run). The ledger is written in this process
 same database, by the ledger's own functions, which keep its running sums (:func:`fill`):
 settled jobs — most ran both trials, some retried one, some were cancelled before they
 started — until the dataset has ``--rows`` rows, and a few jobs left open (admitted and
-charged one trial through the real admission and attempt calls).
+charged one trial through the real admission and attempt calls). Then ``--other-rows`` rows
+of a second dataset, written the same way: the measured dataset's rows are then all older
+than another's, as when its budget is read while a busier dataset's ledger grows. (With an
+index on ``dataset_id`` alone, PostgreSQL walked the newer rows or sorted the dataset's:
+``tests/service/test_ledger_index.py``.)
 
 Then, over HTTP, one request at a time: ``--requests`` budget reads, and ``--requests``
 admissions (each admitted job is cancelled afterwards, untimed, so the open jobs stay few).
@@ -90,6 +94,7 @@ class ReadsResult:
     jobs: int
     open_jobs: int
     fill_s: float
+    other_rows: int = 0  # rows of a second dataset, all newer than the measured one's
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     exact: bool = False
     spent: float = 0.0
@@ -165,9 +170,14 @@ def timed(call: Callable[[], Any], repeat: int, warm_up: int = 10) -> list[float
 
 
 def run_reads(
-    database_url: str | None, data_dir: Path, rows: int = ROWS, requests: int = 200
+    database_url: str | None,
+    data_dir: Path,
+    rows: int = ROWS,
+    requests: int = 200,
+    other_rows: int = 0,
 ) -> ReadsResult:
-    """Fill one fresh database's dataset with ``rows`` ledger rows and time its reads."""
+    """Fill one fresh database's dataset with ``rows`` ledger rows, then another dataset with
+    ``other_rows`` (if any), and time the first one's reads."""
     with serve(database_url, data_dir, workers=1) as url:
         operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
         with httpx.Client(base_url=url, headers=operator, timeout=120) as http:
@@ -184,6 +194,7 @@ def run_reads(
             sessions = sessionmaker(engine, expire_on_commit=False)
             start = time.perf_counter()
             jobs = fill(sessions, dataset_id, rows)
+            other = _other_dataset(http, sessions, other_rows)
             fill_s = time.perf_counter() - start
             gc.collect()
             gc.freeze()  # this process's collections must not pause the timed requests
@@ -201,9 +212,25 @@ def run_reads(
             finally:
                 gc.unfreeze()
             result.database = "postgresql" if database_url else "sqlite"
-            result.jobs, result.fill_s = jobs, fill_s
+            result.jobs, result.fill_s, result.other_rows = jobs, fill_s, other
             engine.dispose()
     return result
+
+
+def _other_dataset(http: httpx.Client, sessions: sessionmaker, rows: int) -> int:
+    """A second dataset with about ``rows`` ledger rows (:func:`fill`); their count."""
+    if rows <= 0:
+        return 0
+    r = http.post(
+        "/v1/datasets",
+        json={"name": "newer", "source": "builtin:digits", "epsilon": BUDGET, "delta": 1e-5},
+    )
+    r.raise_for_status()
+    other = r.json()["id"]
+    fill(sessions, other, rows, seed=1)
+    with sessions() as session:
+        count = select(func.count()).where(LedgerEntry.dataset_id == other)
+        return int(session.execute(count).scalar_one())
 
 
 def _in_process(sessions: sessionmaker, dataset_id: int, requests: int) -> ReadsResult:
@@ -279,7 +306,11 @@ def _admissions(http: httpx.Client, dataset_id: int, requests: int) -> list[floa
 
 def table(results: list[ReadsResult]) -> str:
     names = [r.database for r in results]
-    counts = [f"{r.database} {r.rows} ({r.jobs} jobs, {r.open_jobs} open)" for r in results]
+    counts = [
+        f"{r.database} {r.rows} ({r.jobs} jobs, {r.open_jobs} open"
+        + (f"; then {r.other_rows} rows of another dataset)" if r.other_rows else ")")
+        for r in results
+    ]
     lines = [
         f"ledger rows: {', '.join(counts)}",
         "",
@@ -304,15 +335,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--other-rows",
+        type=int,
+        default=ROWS,
+        help="ledger rows of a second dataset, written after the measured one's (0: none)",
+    )
     parser.add_argument("--postgres", help="a PostgreSQL server URL (a database is made there)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = []
     with TemporaryDirectory() as tmp:
-        results.append(run_reads(None, Path(tmp) / "sqlite", args.rows, args.requests))
+        sizes = (args.rows, args.requests, args.other_rows)
+        results.append(run_reads(None, Path(tmp) / "sqlite", *sizes))
         if args.postgres:
             with fresh_postgres(args.postgres) as url:
-                results.append(run_reads(url, Path(tmp) / "pg", args.rows, args.requests))
+                results.append(run_reads(url, Path(tmp) / "pg", *sizes))
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))

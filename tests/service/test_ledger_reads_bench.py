@@ -1,7 +1,8 @@
 """``bench/ledger_reads.py`` at CI size: a ledger of a few hundred rows written through the real
 functions, then budget reads and admissions over HTTP against a uvicorn-served API — on
 SQLite, and on PostgreSQL when the ``database_url`` fixture names one. The running sums give
-the all-rows budget to the bit, and reading them costs less than composing every row."""
+the all-rows budget to the bit (with a second dataset's newer rows in the ledger), and reading
+them costs less than composing every row."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def reads(bench) -> ModuleType:
 
 
 def test_reads_at_ci_size(reads, database_url, tmp_path) -> None:
-    result = reads.run_reads(database_url, tmp_path, rows=200, requests=20)
+    result = reads.run_reads(database_url, tmp_path, rows=200, requests=20, other_rows=100)
     assert result.exact
+    assert result.other_rows >= 100
     assert result.rows >= 200 and result.open_jobs == reads.OPEN_JOBS
     assert set(result.kinds) == {"reservation", "charge", "release"}
     assert 0 < result.spent < result.committed < reads.BUDGET
