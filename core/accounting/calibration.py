@@ -17,29 +17,63 @@ RELATIVE_TOLERANCE = 1e-3
 SIGMA_MIN, SIGMA_MAX = 1e-2, 1e4
 
 
-def _bisect(cost: Callable[[float], float], target: float) -> float:
+def _solve(cost: Callable[[float], float], target: float) -> float:
     """Largest-cost σ with cost(σ) ≤ target, to the relative tolerance, for a cost that
-    decreases in σ. Bisection in log σ keeps the step relative over the whole bracket."""
+    decreases in σ. The root is bracketed and then found by regula falsi in (log σ, log ε)
+    with the Illinois modification (Dowell & Jarratt, "A modified regula falsi method for
+    computing the root of an equation", BIT 1971): ε is smooth in σ, so this needs a handful
+    of evaluations where bisection needed ~30 (each one an RDP curve: ~0.1 s). The aim is the
+    middle of the accepted window; a step that would leave the bracket, or a side with no
+    finite ε, falls back to halving it in log σ. Whatever the steps, only a σ whose ε was
+    computed and found in [target·(1 − tolerance), target] is returned."""
     lo, hi = SIGMA_MIN, 1.0
-    while cost(hi) > target:
+    cost_hi = cost(hi)
+    while cost_hi > target:
         lo, hi = hi, hi * 2
         if hi > SIGMA_MAX:
             raise ValueError(
                 f"target_epsilon {target} is too small: even noise_multiplier {SIGMA_MAX:g} "
                 "costs more"
             )
-    if cost(lo) <= target:
+        cost_hi = cost(hi)
+    cost_lo = cost(lo)
+    if cost_lo <= target:
         return lo  # the target is looser than any noise we would ever recommend
+    floor = target * (1 - RELATIVE_TOLERANCE)
+    aim = math.log(target * (1 - RELATIVE_TOLERANCE / 2))
+    a, b = math.log(lo), math.log(hi)  # log σ: ε too large at a, in or below the window at b
+    fa, fb = _gap(cost_lo, aim), _gap(cost_hi, aim)
+    kept = 0  # > 0: a was kept by the last steps; < 0: b was
     for _ in range(200):
-        eps_hi = cost(hi)
-        if eps_hi >= target * (1 - RELATIVE_TOLERANCE):
+        if cost_hi >= floor:
             break
-        mid = math.sqrt(lo * hi)
-        if cost(mid) > target:
-            lo = mid
+        x = _false_position(a, fa, b, fb)
+        eps = cost(math.exp(x))
+        if eps > target:
+            a, fa, kept = x, _gap(eps, aim), min(kept, 0) - 1
+            if kept < -1:
+                fb /= 2
         else:
-            hi = mid
+            b, fb, hi, cost_hi, kept = x, _gap(eps, aim), math.exp(x), eps, max(kept, 0) + 1
+            if kept > 1:
+                fa /= 2
     return hi
+
+
+def _gap(eps: float, aim: float) -> float:
+    """log ε − aim: positive where σ is too small (infinite where ε is)."""
+    return math.log(eps) - aim if eps > 0 else -math.inf
+
+
+def _false_position(a: float, fa: float, b: float, fb: float) -> float:
+    """Where the chord from (a, fa) to (b, fb) crosses zero; the midpoint when it cannot be
+    drawn or would leave the open interval (a, b) by more than rounding."""
+    mid = (a + b) / 2
+    if not (math.isfinite(fa) and math.isfinite(fb)) or fa <= fb:
+        return mid
+    x = b - fb * (b - a) / (fb - fa)
+    width = b - a
+    return x if a + width * 1e-9 < x < b - width * 1e-9 else mid
 
 
 def calibrate_noise(
@@ -64,4 +98,4 @@ def calibrate_noise(
     def cost(sigma: float) -> float:
         return charged.epsilon(trial_rdp(sample_rate, sigma, steps, extra_rdp), delta)
 
-    return _bisect(cost, target)
+    return _solve(cost, target)
