@@ -26,21 +26,14 @@ from ray.tune import CLIReporter
 
 from core.accounting import tuning_method
 from core.config import DatasetConfig, ModelConfig
+from core.entropy import secure_generator
 from core.spec import Selection
 from runner import summary
 from runner.client import ControlPlane
+from runner.job import AttemptRecorder, JobContext, param_space, run
 from runner.search import Candidate, candidates
 from runner.settings import RunnerSettings
 from runner.summary import TrialLog, TrialRow, keep_alignment
-from runner.trainable import (
-    AttemptRecorder,
-    JobContext,
-    param_space,
-    run_candidate,
-    run_on_proxy,
-)
-from workers.dp.randomness import SecureStream
-from workers.models import build_model, inspect_model
 
 log = logging.getLogger("dptune.job")
 
@@ -56,7 +49,7 @@ def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContex
     cands: list[Candidate] | None = None
     if method.random_stopping:
         api.start()
-        k = method.draw_trials(SecureStream().numpy)  # from OS entropy, never a seed
+        k = method.draw_trials(secure_generator())  # from OS entropy, never a seed
     else:
         cands = candidates(
             spec["search_space"], spec["privacy"].get("trials") or 1, spec["seed"] or 0
@@ -124,7 +117,7 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     trials = TrialLog()
     tuner = tune.Tuner(
         tune.with_resources(
-            tune.with_parameters(run_on_proxy if proxy else run_candidate, ctx=ctx),
+            tune.with_parameters(run, ctx=ctx, proxy=proxy),
             {"cpu": resources["cpu"], "gpu": resources["gpu"]},
         ),
         param_space=param_space(ctx),
@@ -178,10 +171,13 @@ def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) 
 def model_refusal(job: dict[str, Any]) -> str | None:
     """Why the job's imported model must not train on these workers, if it must not. The
     control plane inspected it at admission (its report is ``plan.model``); the package here
-    may differ, so it is inspected again before any trial, without data."""
+    may differ, so it is inspected again before any trial, without data. Only then does the
+    driver import torch and the engine (:mod:`runner.job`: a job's start waits for them)."""
     planned = job["plan"].get("model")
     if planned is None:  # a built-in model
         return None
+    from workers.models import build_model, inspect_model  # torch: for imported models only
+
     cfg = ModelConfig.model_validate(job["spec"]["model"])
     shape, classes = tuple(planned["input_shape"]), planned["num_classes"]
     try:

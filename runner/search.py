@@ -7,7 +7,7 @@ tuning method draws: ``core.accounting.methods``).
   draws its candidate i.i.d. from the fixed prior given by the search space (docs/design.md
   invariant 6). K and the order of the candidates must stay secret — the bounds of Liu–Talwar
   and Papernot–Steinke hold for a random K of which only the winner is released — so both come
-  from OS entropy (:class:`~workers.dp.randomness.SecureStream`), never from a seed the analyst
+  from OS entropy (:func:`~core.entropy.secure_generator`), never from a seed the analyst
   chose: replaying such a seed would tell which draw the released hyperparameters were, hence
   a lower bound on K.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.dp.randomness import SecureStream
+from core.entropy import secure_generator
 
 Candidate = dict[str, Any]
 
@@ -53,5 +53,5 @@ def random_candidate(
     search_space: dict[str, dict[str, Any]], rng: np.random.Generator | None = None
 ) -> Candidate:
     """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
-    rng = rng or SecureStream().numpy
+    rng = rng or secure_generator()
     return {path: _draw(dimension, rng) for path, dimension in search_space.items()}

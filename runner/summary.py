@@ -23,7 +23,7 @@ from rich.table import Table
 
 from core.accounting import epsilon_from_rdp
 from core.shapes import plan_shapes, shape_curve, shape_of, trial_curve
-from runner.trainable import JobContext, trial_index
+from runner.job import JobContext, trial_index
 
 
 @dataclass(frozen=True)

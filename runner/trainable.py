@@ -1,19 +1,16 @@
-"""The Ray Tune trainable of a tuning job: one attempt of one trial.
+"""One attempt of one trial of a tuning job, in a Ray Tune trial process.
 
-It lives in its own module (not in the driver, which runs as ``__main__``) so that Ray's
-workers import it by name. Privacy bookkeeping happens where data is touched: the attempt is
-recorded, and charged, through the control plane *before* the trial loads the dataset
-(docs/design.md, invariant 2–3).
+Tune runs :func:`runner.job.run`, which imports this module (torch, the engine) in the trial's
+process; the driver never imports it. Privacy bookkeeping happens where data is touched: the
+attempt is recorded, and charged, through the control plane *before* the trial loads the
+dataset (docs/design.md, invariant 2–3).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -21,11 +18,9 @@ import torch
 from ray import tune
 from safetensors.torch import save_file
 
-from core.config import DatasetConfig, TrialConfig
-from core.shapes import plan_shapes, shape_of
-from core.spec import JobSpec
-from runner.client import AttemptRefused, ControlPlane
-from runner.search import Candidate, random_candidate
+from runner.client import AttemptRefused
+from runner.job import JobContext, trial_config, trial_index
+from runner.search import random_candidate
 from workers.trial import run_trial
 
 log = logging.getLogger("dptune.trial")
@@ -35,69 +30,8 @@ log = logging.getLogger("dptune.trial")
 IMPORTED_AT = time.time()
 
 
-@dataclass(frozen=True)
-class JobContext:
-    """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``.
-
-    ``candidates`` lists a fixed-K job's candidates by trial index (each trial gets its own in
-    its Tune config, :func:`param_space`); for a random-stopping job it is None and each trial
-    draws its own from OS entropy (:func:`random_candidate`), so the driver never holds the
-    order of candidates either: it learns each from the trial's reports, once drawn."""
-
-    job_id: int
-    control_url: str
-    token: str
-    data_dir: Path
-    spec: dict[str, Any]
-    plan: dict[str, Any]
-    dataset: DatasetConfig
-    trials: int
-    candidates: list[Candidate] | None
-    proxy: DatasetConfig | None = None  # the public dataset a proxy search runs on
-
-    def control_plane(self) -> ControlPlane:
-        return _control_plane(self.control_url, self.token, self.job_id)
-
-    def weights_path(self, index: int) -> Path:
-        return self.data_dir / "jobs" / str(self.job_id) / f"trial-{index}.safetensors"
-
-
-@functools.lru_cache(maxsize=4)
-def _control_plane(url: str, token: str, job_id: int) -> ControlPlane:
-    """One HTTP client (and connection pool) per process, however many trials it runs."""
-    return ControlPlane(url, token, job_id)
-
-
-def trial_config(
-    ctx: JobContext, params: Candidate, dataset: DatasetConfig | None = None
-) -> TrialConfig:
-    """A candidate's trial with its shape's planned noise, on the job's dataset (or another:
-    its proxy). All of its privacy randomness comes from fresh OS entropy inside the trial
-    (:mod:`workers.dp.randomness`)."""
-    shape = shape_of(plan_shapes(ctx.plan), params)
-    return JobSpec.model_validate(ctx.spec).trial_config(
-        dataset or ctx.dataset, shape, ctx.plan["delta"], params
-    )
-
-
-def param_space(ctx: JobContext) -> dict[str, Any]:
-    """Tune's search space: one Tune trial per trial index, ``{"trial": {"index": i,
-    "params": candidate}}`` — a fixed-K trial's candidate in its config, so that Tune's tables
-    (the job's log in the Ray dashboard) show its hyperparameters from the start. A
-    random-stopping trial's config holds only its index: it draws its candidate itself."""
-    trials = [
-        {"index": i} if ctx.candidates is None else {"index": i, "params": ctx.candidates[i]}
-        for i in range(ctx.trials)
-    ]
-    return {"trial": tune.grid_search(trials)}
-
-
-def trial_index(config: dict[str, Any]) -> int:
-    return int(config["trial"]["index"])
-
-
 def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
-    """The Ray Tune trainable: one attempt of trial ``config["trial"]["index"]``.
+    """One attempt of trial ``config["trial"]["index"]`` (Tune's trainable: :func:`runner.job.run`).
 
     Every report to Tune carries the trial's ε (one attempt's, at the job's δ) and, when the
     trial drew its candidate, that candidate as ``params``; the last one adds its DP
@@ -167,19 +101,3 @@ def run_on_proxy(config: dict[str, Any], ctx: JobContext) -> None:
     params = config["trial"]["params"]
     result = run_trial(trial_config(ctx, params, ctx.proxy), data_dir=ctx.data_dir).result
     tune.report({"steps": result["steps"], "dp_score": result["score"]["value"]})
-
-
-class AttemptRecorder(tune.Callback):
-    """Tune callback on the driver: when a trial's process dies without reporting (killed,
-    out of memory), the attempt it had started is marked failed — it stays charged. Tune calls
-    ``on_trial_recover`` when it will retry the trial and ``on_trial_error`` when it will not;
-    both run before any retry starts, so only the dead attempt is still open."""
-
-    def __init__(self, ctx: JobContext) -> None:
-        self.ctx = ctx
-
-    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.ctx.control_plane().fail_open(trial_index(trial.config))
-
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.ctx.control_plane().fail_open(trial_index(trial.config))

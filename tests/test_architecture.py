@@ -13,6 +13,8 @@ a function counts too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,19 @@ def test_planning_is_pure() -> None:
 
 def test_every_part_exists() -> None:
     assert all((ROOT / part / "__init__.py").exists() for part in PARTS)
+
+
+def test_the_driver_imports_no_torch() -> None:
+    """Every job's start waits for its driver's imports before the first trial process is
+    asked for: the driver (``python -m runner``) must not import torch or the engine, which
+    took 2–3 s of them. Trial processes import them (``runner.job.run``), and the driver only
+    to inspect an imported model. Checked in a fresh interpreter, on what the import loads."""
+    code = (
+        "import sys, runner.driver; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'workers', 'safetensors'}"
+        "))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"

@@ -12,8 +12,8 @@ import pytest
 
 from core.accounting import tuning_epsilon
 from core.config import DatasetConfig
+from runner.job import JobContext
 from runner.summary import TrialRow, keep_alignment, show, trial_row
-from runner.trainable import JobContext
 
 PLAN = {
     "accounting": "rdp",

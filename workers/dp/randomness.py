@@ -4,7 +4,8 @@ Every draw a DP guarantee rests on — Poisson sampling, gradient noise, the noi
 adaptive clipping rules, validation noise, the private hold-out, the candidates of a
 random-stopping job — comes from a :class:`SecureStream`: AES-128 in counter mode (the core of
 NIST SP 800-90A's CTR_DRBG; ``randomgen.AESCounter``, AES-NI where the CPU has it) keyed with
-128 bits from the operating system's entropy pool, one fresh key per stream, so streams are
+128 bits from the operating system's entropy pool (:func:`core.entropy.secure_generator`, which
+the driver uses directly), one fresh key per stream, so streams are
 independent and nothing stored, chosen or seen by an analyst can reproduce them. There is no
 seeded mode.
 
@@ -29,13 +30,12 @@ attacker would have to search, each draw independent of the others).
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-from randomgen import AESCounter
 from torch import Tensor
+
+from core.entropy import secure_generator
 
 #: Gaussian pairs drawn per chunk (two draws of 512 KiB of float64 uniforms)
 CHUNK = 1 << 16
@@ -45,7 +45,7 @@ class SecureStream:
     """An independent stream of cryptographically secure random numbers."""
 
     def __init__(self) -> None:
-        self.numpy = np.random.Generator(AESCounter(key=secrets.randbits(128), counter=0))
+        self.numpy = secure_generator()
 
     def uniform(self, n: int) -> Tensor:
         """``n`` uniforms on [0, 1) in float64 (multiples of 2⁻⁵³)."""

@@ -1,0 +1,111 @@
+"""What the tuning job's driver and its trial processes share: the job's context, its trials'
+configurations and Tune's search space, the callback that marks dead attempts, and
+:func:`run`, the function the driver hands Tune.
+
+Nothing here imports torch: the driver imports this module, and importing torch and the
+engine took 2–3 s of every job's start before its first trial process could begin. The
+trial code (:mod:`runner.trainable`) is imported by :func:`run`, in the trial's process.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from core.config import DatasetConfig, TrialConfig
+from core.shapes import plan_shapes, shape_of
+from core.spec import JobSpec
+from runner.client import ControlPlane
+from runner.search import Candidate
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything a trial needs, shipped to each trial process by ``tune.with_parameters``.
+
+    ``candidates`` lists a fixed-K job's candidates by trial index (each trial gets its own in
+    its Tune config, :func:`param_space`); for a random-stopping job it is None and each trial
+    draws its own from OS entropy (:func:`runner.search.random_candidate`), so the driver
+    never holds the order of candidates either: it learns each from the trial's reports, once
+    drawn."""
+
+    job_id: int
+    control_url: str
+    token: str
+    data_dir: Path
+    spec: dict[str, Any]
+    plan: dict[str, Any]
+    dataset: DatasetConfig
+    trials: int
+    candidates: list[Candidate] | None
+    proxy: DatasetConfig | None = None  # the public dataset a proxy search runs on
+
+    def control_plane(self) -> ControlPlane:
+        return _control_plane(self.control_url, self.token, self.job_id)
+
+    def weights_path(self, index: int) -> Path:
+        return self.data_dir / "jobs" / str(self.job_id) / f"trial-{index}.safetensors"
+
+
+@functools.lru_cache(maxsize=4)
+def _control_plane(url: str, token: str, job_id: int) -> ControlPlane:
+    """One HTTP client (and connection pool) per process, however many trials it runs."""
+    return ControlPlane(url, token, job_id)
+
+
+def trial_config(
+    ctx: JobContext, params: Candidate, dataset: DatasetConfig | None = None
+) -> TrialConfig:
+    """A candidate's trial with its shape's planned noise, on the job's dataset (or another:
+    its proxy). All of its privacy randomness comes from fresh OS entropy inside the trial
+    (:mod:`workers.dp.randomness`)."""
+    shape = shape_of(plan_shapes(ctx.plan), params)
+    return JobSpec.model_validate(ctx.spec).trial_config(
+        dataset or ctx.dataset, shape, ctx.plan["delta"], params
+    )
+
+
+def param_space(ctx: JobContext) -> dict[str, Any]:
+    """Tune's search space: one Tune trial per trial index, ``{"trial": {"index": i,
+    "params": candidate}}`` — a fixed-K trial's candidate in its config, so that Tune's tables
+    (the job's log in the Ray dashboard) show its hyperparameters from the start. A
+    random-stopping trial's config holds only its index: it draws its candidate itself."""
+    trials = [
+        {"index": i} if ctx.candidates is None else {"index": i, "params": ctx.candidates[i]}
+        for i in range(ctx.trials)
+    ]
+    return {"trial": tune.grid_search(trials)}
+
+
+def trial_index(config: dict[str, Any]) -> int:
+    return int(config["trial"]["index"])
+
+
+def run(config: dict[str, Any], ctx: JobContext, proxy: bool = False) -> None:
+    """The Ray Tune trainable of the job's trials (``proxy``: of its proxy search), as
+    :func:`runner.trainable.run_candidate` and :func:`runner.trainable.run_on_proxy` run them.
+    Tune ships this function to each trial process by name; the import below runs there, once
+    per process, and never in the driver."""
+    from runner import trainable  # torch and the engine: in the trial's process only
+
+    (trainable.run_on_proxy if proxy else trainable.run_candidate)(config, ctx)
+
+
+class AttemptRecorder(tune.Callback):
+    """Tune callback on the driver: when a trial's process dies without reporting (killed,
+    out of memory), the attempt it had started is marked failed — it stays charged. Tune calls
+    ``on_trial_recover`` when it will retry the trial and ``on_trial_error`` when it will not;
+    both run before any retry starts, so only the dead attempt is still open."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.ctx.control_plane().fail_open(trial_index(trial.config))
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.ctx.control_plane().fail_open(trial_index(trial.config))
