@@ -150,9 +150,9 @@ def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
     return torch.where(norms.isfinite() & coef.isfinite(), coef, 0)
 
 
-def finite_examples(norms: Tensor) -> Tensor:
-    """[B] bool: the examples whose norms [B, k] are finite in every one of the k groups."""
-    return norms.isfinite().all(1)
+def clipped_sum(coef: Tensor, per_sample: Tensor) -> Tensor:
+    """Σ_i coef[i] · per_sample[i] [B, …] → […], in the per-sample tensor's dtype."""
+    return torch.tensordot(factors_as(coef, per_sample.dtype), per_sample, dims=1)
 
 
 def zero_rows(x: Tensor, keep: Tensor) -> Tensor:

@@ -85,14 +85,15 @@ class PrivateStep:
             device=first.device,
             dtype=functools.reduce(torch.promote_types, (p.dtype for p in self.params.values())),
         )
-        self.views = [
-            view.view_as(p)
-            for view, p in zip(
+        #: each parameter's part of the buffer, by name: what the clipper adds its sums into
+        self.views = {
+            name: view.view_as(p)
+            for (name, p), view in zip(
+                self.params.items(),
                 self.flat.split([p.numel() for p in self.params.values()]),
-                self.params.values(),
                 strict=True,
             )
-        ]
+        }
 
     def noise_std(self, threshold: float) -> float:
         """Per-coordinate std of the noise in the averaged gradient, σ_T·C_t/B."""
@@ -107,17 +108,16 @@ class PrivateStep:
         # sum into it as soon as it is formed, then / B: no temporary of the model's size.
         self.noise.normal(self.flat.numel(), out=self.flat)
         self.flat.mul_(self.grad_noise * threshold)
-        out = dict(zip(self.params, self.views, strict=True))
         norms = [torch.zeros(0)]
         for inputs, targets in batches:
             if len(inputs) == 0:
                 continue
             group_norms, _ = self.clipper(
-                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=out
+                self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=self.views
             )
             norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
         self.flat.div_(self.expected_batch_size)
-        for p, view in zip(self.params.values(), self.views, strict=True):
+        for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
         return torch.cat(norms)
 

@@ -24,8 +24,7 @@ from workers.dp.clipping import (
     CoefFn,
     GroupSpec,
     clip_factors,
-    factors_as,
-    finite_examples,
+    clipped_sum,
     resolve_groups,
     sq_norms,
     zero_rows,
@@ -72,11 +71,12 @@ def clipped_grad_sum(
     sums = out if out is not None else {name: torch.zeros_like(g[0]) for name, g in grads.items()}
     for m, group in enumerate(groups):
         coef = clip_factors(coef_fn, norms[:, m : m + 1])[:, 0]
-        keep = finite_examples(norms[:, m : m + 1])
+        keep = norms[:, m].isfinite()
+        clean = bool(keep.all())
         for name in group:
             g = grads.pop(name)
-            rows = g if bool(keep.all()) else zero_rows(g, keep)  # one parameter at a time
-            sums[name].add_(torch.tensordot(factors_as(coef, g.dtype), rows, dims=1).detach())
+            rows = g if clean else zero_rows(g, keep)  # one parameter at a time
+            sums[name].add_(clipped_sum(coef, rows).detach())
     return norms, sums
 
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from workers.dp.clipping import CoefFn, clip_factors, factors_as, sq_norms, zero_rows
+from workers.dp.clipping import CoefFn, clip_factors, clipped_sum, sq_norms, zero_rows
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -109,7 +109,7 @@ class _Layer:
         full name), from its tensors passed through ``rows`` (which zeroes dropped examples)."""
         if self.kept is not None:
             for attr, g in self.kept.items():
-                out[self.params[attr]].add_(_clipped(coef[self.params[attr]], rows(g)))
+                out[self.params[attr]].add_(clipped_sum(coef[self.params[attr]], rows(g)))
             return
         calls = [Call(rows(c.activation), rows(c.grad)) for c in self.calls]
         self.rule.add_sums(
@@ -140,15 +140,10 @@ class _Fallback:
 
     def add_sums(self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Sums) -> None:
         for name, g in self.grads.items():
-            out[name].add_(_clipped(coef[name], rows(g)))
+            out[name].add_(clipped_sum(coef[name], rows(g)))
 
     def release(self) -> None:
         self.grads.clear()
-
-
-def _clipped(coef: Tensor, per_sample: Tensor) -> Tensor:
-    """Σ_i coef[i] · per_sample[i], in the gradients' dtype."""
-    return torch.tensordot(factors_as(coef, per_sample.dtype), per_sample, dims=1)
 
 
 class _Groups:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.dp.clipping import factors_as, sq_norms
+from workers.dp.clipping import clipped_sum, sq_norms
 
 # Most float elements a transient tensor (unfolded patches, Gram matrices, instantiated
 # per-sample weight gradients) may hold; larger batches are processed in chunks of samples.
@@ -260,7 +260,7 @@ class LayerRule:
         """Add ``Σ_i coef[k][i] · ∂L_i/∂param_k`` into ``out[k]`` for each trainable parameter
         k, by attribute."""
         for k, v in self.small(module, calls).items():
-            out[k].add_(torch.tensordot(factors_as(coef[k], v.dtype), v, dims=1))
+            out[k].add_(clipped_sum(coef[k], v))
         if self.has_weight_matrix and _trainable(module, "weight"):
             self.add_weight_sum(module, calls, coef["weight"], out["weight"])
 
