@@ -179,20 +179,26 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     is retried, and both of its attempts are charged."""
     spec = small_job(digits, max_retries=1)
     spec["method"]["adaptive"] = {"rule": "dcsgd_p"}  # DC-SGD-P: thresholds are recorded
-    spec["epochs"] = 8
+    spec["epochs"] = 24  # training outlasts the poll that finds it: the kill lands mid-training
     job = service.post("/v1/jobs", spec)
 
+    victims: list[int] = []
+
     def training(j: dict) -> bool:
+        """Every trial process has recorded its attempt: a process that is still importing
+        torch has not, and killing it would fail an attempt that never started."""
+        before = set(trial_processes())
         running = [
             a
             for t in service.get(f"/v1/jobs/{j['id']}/trials")
             for a in t["attempts"]
             if a["ended_at"] is None
         ]
-        return bool(running and trial_processes())
+        victims[:] = sorted(before & set(trial_processes()))
+        return bool(victims) and len(victims) == len(before) == len(running)
 
     service.wait(job["id"], until=training)
-    victim = trial_processes()[0]  # at once: a trial takes seconds
+    victim = victims[0]  # at once: a trial takes seconds
     env = environment(victim)  # a trial holds no database URL and no operator key
     assert env["DPTUNE_JOB_TOKEN"].startswith("dpr_") and "DPTUNE_CONTROL_URL" in env
     assert not {"DPTUNE_DATABASE_URL", "DPTUNE_OPERATOR_KEY"} & set(env)
