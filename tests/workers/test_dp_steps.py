@@ -9,6 +9,7 @@ from torch import nn
 
 from workers.dp import PrivateStep, clipped_grad_sum, resolve_groups
 from workers.dp.adaptive import ThresholdRule
+from workers.dp.optim import SGD
 from workers.dp.randomness import CHUNK, SecureStream
 
 
@@ -52,7 +53,7 @@ def test_gradients_are_views_of_one_buffer_and_noise_has_std_sigma_r_over_b() ->
         rule=ThresholdRule(r),
         grad_noise=sigma,
         expected_batch_size=b,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        optimizer=SGD(model.parameters(), lr=0.0),
         noise=SecureStream(),
     )
     for _ in range(2):  # the buffer is reused: the second step is not the first's leftovers
@@ -74,7 +75,7 @@ def test_gradients_are_views_of_one_buffer_and_noise_has_std_sigma_r_over_b() ->
         rule=ThresholdRule(1.0),
         grad_noise=1.0,
         expected_batch_size=4,
-        optimizer=torch.optim.SGD(mixed.parameters(), lr=0.1),
+        optimizer=SGD(mixed.parameters(), lr=0.1),
         noise=SecureStream(),
     )
     step.step([(torch.randn(4, 4), torch.randint(0, 3, (4,)))], 0)

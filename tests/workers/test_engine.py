@@ -11,6 +11,7 @@ from core.sampling import num_steps, sample_rate
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
+from workers.dp.optim import SGD
 from workers.dp.randomness import SecureStream
 from workers.dp.sampling import micro_batches, poisson_batches
 from workers.models import build_model
@@ -82,7 +83,7 @@ class CountingStream(SecureStream):
 
 def make_step(model, *, noise, threshold, expected, stream=None):
     groups = resolve_groups(model, "layer_wise")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = SGD(model.parameters(), lr=0.0)
     return PrivateStep(
         model,
         LOSS,
@@ -188,7 +189,7 @@ def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
         rule=ThresholdRule(1.0),
         grad_noise=1.0,
         expected_batch_size=8,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        optimizer=SGD(model.parameters(), lr=0.1),
         noise=SecureStream(),
     )
     x, y = batch(n=8, scale=1.0)

@@ -25,7 +25,7 @@ from core.config import ClippingFunction
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn
-from workers.dp.optim import AdamBC
+from workers.dp.optim import AdamBC, Optimizer
 from workers.dp.randomness import SecureStream
 
 
@@ -68,7 +68,7 @@ class PrivateStep:
         rule: ThresholdRule,
         grad_noise: float,
         expected_batch_size: int,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizer,
         noise: SecureStream,
     ) -> None:
         self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
@@ -126,9 +126,8 @@ class PrivateStep:
         threshold = self.rule.threshold
         norms = self.private_gradient(batches)
         if isinstance(self.optimizer, AdamBC):
-            for group in self.optimizer.param_groups:
-                group["noise_std"] = self.noise_std(threshold)
+            self.optimizer.noise_std = self.noise_std(threshold)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.rule.update(norms, index)
         return StepReport(threshold=threshold, batch_size=len(norms))
