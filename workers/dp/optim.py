@@ -178,21 +178,9 @@ class AdamBC(_Update):
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> SGD | Adam | AdamBC:
     params = [p for p in model.parameters() if p.requires_grad]
+    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     if cfg.name == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return SGD(params, momentum=cfg.momentum, **common)
     if cfg.name in ("adam", "adamw"):
-        return Adam(
-            params,
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            decoupled=cfg.name == "adamw",
-        )
-    return AdamBC(
-        params,
-        lr=cfg.lr,
-        betas=cfg.betas,
-        gamma_prime=cfg.gamma_prime,
-        weight_decay=cfg.weight_decay,
-    )
+        return Adam(params, betas=cfg.betas, eps=cfg.eps, decoupled=cfg.name == "adamw", **common)
+    return AdamBC(params, betas=cfg.betas, gamma_prime=cfg.gamma_prime, **common)
