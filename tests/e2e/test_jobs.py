@@ -26,7 +26,14 @@ from workers.data import load_dataset
 from workers.metrics import evaluate
 from workers.models import build_model
 
-from .conftest import OPERATOR, OPERATOR_ENV, environment, small_job, trial_processes
+from .conftest import (
+    OPERATOR,
+    OPERATOR_ENV,
+    environment,
+    running_trial_pids,
+    small_job,
+    trial_processes,
+)
 
 
 def charged(budget: dict) -> list[dict]:
@@ -179,23 +186,26 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     is retried, and both of its attempts are charged."""
     spec = small_job(digits, max_retries=1)
     spec["method"]["adaptive"] = {"rule": "dcsgd_p"}  # DC-SGD-P: thresholds are recorded
-    spec["epochs"] = 24  # training outlasts the poll that finds it: the kill lands mid-training
+    spec["epochs"] = 150  # ~6 s of training (an epoch is ~40 ms): the kill lands mid-training
     job = service.post("/v1/jobs", spec)
 
     victims: list[int] = []
 
     def training(j: dict) -> bool:
-        """Every trial process has recorded its attempt: a process that is still importing
-        torch has not, and killing it would fail an attempt that never started."""
-        before = set(trial_processes())
-        running = [
-            a
+        """A trial whose attempt is open, and the process that runs it. The process comes from
+        the trial's own Tune results (its pid, reported once the attempt is recorded), never
+        from process titles alone: a process titled ``.train`` may be finishing another trial
+        or not have recorded its attempt yet, and killing it fails no recorded attempt."""
+        open_trials = {
+            t["index"]
             for t in service.get(f"/v1/jobs/{j['id']}/trials")
-            for a in t["attempts"]
-            if a["ended_at"] is None
+            if any(a["ended_at"] is None for a in t["attempts"])
+        }
+        pids = running_trial_pids(service.settings.data_path, j["id"])
+        victims[:] = [
+            pid for index, pid in pids.items() if index in open_trials and pid in trial_processes()
         ]
-        victims[:] = sorted(before & set(trial_processes()))
-        return bool(victims) and len(victims) == len(before) == len(running)
+        return bool(victims)
 
     service.wait(job["id"], until=training)
     victim = victims[0]  # at once: a trial takes seconds
@@ -212,7 +222,7 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     assert done["status"] == "released"
     trials = service.get(f"/v1/jobs/{job['id']}/trials")
     attempts = sorted(len(t["attempts"]) for t in trials)
-    assert attempts == [1, 2]
+    assert attempts == [1, 2], (trials, service.orchestrator.logs(job["id"])[-3000:])
     crashed = next(t for t in trials if len(t["attempts"]) == 2)
     assert crashed["attempts"][0]["status"] == "failed"
     assert crashed["epsilon"] == pytest.approx(composed_trials(job["plan"], 2), rel=1e-9)

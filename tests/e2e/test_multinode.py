@@ -61,7 +61,7 @@ def test_trials_spread_over_nodes_and_a_dead_node_is_charged(
     )["id"]
     spec = small_job(digits, max_retries=1)
     spec["search_space"] = {"method.threshold": {"grid": [0.5, 1.0, 2.0]}}
-    spec["epochs"] = 10  # seconds per trial: long enough to die mid-training
+    spec["epochs"] = 100  # ~4 s per trial (an epoch is ~40 ms): long enough to die mid-training
     job = service.post("/v1/jobs", spec)
 
     def attempts() -> list[dict]:
