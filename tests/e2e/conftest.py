@@ -3,7 +3,6 @@ own dashboard port), the API on a real SQLite file, jobs submitted as Ray jobs."
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from runner.job import trial_index
 from service.api import create_app
 from service.api.server import BackgroundServer, free_port
 from service.cluster import RayConnection, RayOrchestrator, connect
@@ -104,24 +102,6 @@ def trial_processes() -> list[int]:
                 pids.append(int(proc.name))
         except OSError:  # the process ended meanwhile
             continue
-    return pids
-
-
-def running_trial_pids(data_dir: Path, job_id: int) -> dict[int, int]:
-    """Trial index → the process running it, from each trial's last Tune result (Tune adds
-    the pid to every result; a trial's first report comes right after its attempt is
-    recorded, ``runner.trainable``). A trial whose last result has its DP score has finished
-    training and is left out."""
-    pids = {}
-    for path in (data_dir / "ray_results" / f"dptune-job-{job_id}").glob("*/result.json"):
-        for line in reversed(path.read_text().splitlines()):
-            try:
-                last = json.loads(line)
-            except json.JSONDecodeError:  # the line being written
-                continue
-            if "dp_score" not in last:
-                pids[trial_index(last["config"])] = last["pid"]
-            break
     return pids
 
 

@@ -26,14 +26,7 @@ from workers.data import load_dataset
 from workers.metrics import evaluate
 from workers.models import build_model
 
-from .conftest import (
-    OPERATOR,
-    OPERATOR_ENV,
-    environment,
-    running_trial_pids,
-    small_job,
-    trial_processes,
-)
+from .conftest import OPERATOR, OPERATOR_ENV, environment, small_job, trial_processes
 
 
 def charged(budget: dict) -> list[dict]:
@@ -192,20 +185,19 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     victims: list[int] = []
 
     def training(j: dict) -> bool:
-        """A trial whose attempt is open, and the process that runs it. The process comes from
-        the trial's own Tune results (its pid, reported once the attempt is recorded), never
-        from process titles alone: a process titled ``.train`` may be finishing another trial
-        or not have recorded its attempt yet, and killing it fails no recorded attempt."""
-        open_trials = {
-            t["index"]
+        """Every training process has recorded its attempt, so the one killed has an attempt
+        to fail: a process titled ``.train`` may still be importing torch before it records
+        one. The same processes before and after the attempts are read, as many as the open
+        attempts. (Tune's results, with each trial's pid, reach its files seconds late.)"""
+        before = set(trial_processes())
+        running = [
+            a
             for t in service.get(f"/v1/jobs/{j['id']}/trials")
-            if any(a["ended_at"] is None for a in t["attempts"])
-        }
-        pids = running_trial_pids(service.settings.data_path, j["id"])
-        victims[:] = [
-            pid for index, pid in pids.items() if index in open_trials and pid in trial_processes()
+            for a in t["attempts"]
+            if a["ended_at"] is None
         ]
-        return bool(victims)
+        victims[:] = sorted(before & set(trial_processes()))
+        return bool(victims) and len(victims) == len(before) == len(running)
 
     service.wait(job["id"], until=training)
     victim = victims[0]  # at once: a trial takes seconds
