@@ -1,6 +1,7 @@
 """The optimizers against torch.optim's, to the bit, and DP-AdamBC (paper 004, Algorithm 2)
 against Adam and against a hand computation. A trial never imports ``torch._dynamo``."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,25 @@ def test_adambc_floor_and_noise_correction_by_hand():
     assert p[2] == 0  # zero gradient: m̂ = 0 and the floor keeps the denominator positive
 
 
-TORCH_TWINS = {
-    "sgd": (dict(lr=0.1), {}),
-    "sgd momentum, weight decay": (dict(lr=0.1, momentum=0.9, weight_decay=0.01), {}),
-    "adam": (dict(lr=0.01, betas=(0.8, 0.9), eps=1e-8), {}),
-    "adam weight decay": (dict(lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1), {}),
-    "adamw": (dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1), {"decoupled": True}),
+ADAMW = functools.partial(Adam, decoupled=True)
+TORCH_TWINS = {  # ours, torch.optim's, the hyperparameters both take
+    "sgd": (SGD, torch.optim.SGD, dict(lr=0.1)),
+    "sgd momentum, weight decay": (
+        SGD,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    "adam": (Adam, torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.9), eps=1e-8)),
+    "adam weight decay": (
+        Adam,
+        torch.optim.Adam,
+        dict(lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1),
+    ),
+    "adamw": (
+        ADAMW,
+        torch.optim.AdamW,
+        dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+    ),
 }
 
 
@@ -61,20 +75,12 @@ TORCH_TWINS = {
 def test_each_optimizer_steps_as_its_torch_optim_class_to_the_bit(name) -> None:
     """Same parameters (one without a gradient on some steps, as torch.optim skips it), same
     gradients: every step leaves the same bits."""
-    hyper, extra = TORCH_TWINS[name]
-    ours_cls = SGD if name.startswith("sgd") else Adam
-    torch_cls = (
-        torch.optim.SGD
-        if name.startswith("sgd")
-        else torch.optim.AdamW
-        if extra
-        else torch.optim.Adam
-    )
+    ours_cls, torch_cls, hyper = TORCH_TWINS[name]
     g = torch.Generator().manual_seed(1)
     start = [torch.randn(4, 3, generator=g), torch.randn(3, generator=g)]
     mine = [torch.nn.Parameter(t.clone()) for t in start]
     theirs = [torch.nn.Parameter(t.clone()) for t in start]
-    ours, reference = ours_cls(mine, **hyper, **extra), torch_cls(theirs, **hyper)
+    ours, reference = ours_cls(mine, **hyper), torch_cls(theirs, **hyper)
     for step in range(8):
         grads = [torch.randn(t.shape, generator=g) for t in start]
         for params in (mine, theirs):

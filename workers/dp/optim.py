@@ -50,8 +50,8 @@ class _Update:
     def step(self) -> None:
         for hook in self._pre_hooks:
             hook(self, (), {})
-        live = [p for p in self.params if p.grad is not None]
-        self._apply(live, [p.grad for p in live if p.grad is not None])
+        live = [(p, p.grad) for p in self.params if p.grad is not None]
+        self._apply([p for p, _ in live], [g for _, g in live])
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -159,9 +159,10 @@ class AdamBC(_Update):
     def _apply(self, params: list[Tensor], grads: list[Tensor]) -> None:
         beta1, beta2 = self.betas
         for p, grad in zip(params, grads, strict=True):
-            state = self.state.setdefault(p, {})
-            if not state:
-                state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p), s2=0.0)
+            if p not in self.state:
+                zeros = torch.zeros_like(p)
+                self.state[p] = {"step": 0, "m": zeros, "v": zeros.clone(), "s2": 0.0}
+            state = self.state[p]
             state["step"] += 1
             t = state["step"]
             state["m"].lerp_(grad, 1 - beta1)
