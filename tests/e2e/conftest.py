@@ -89,15 +89,16 @@ def environment(pid: int) -> dict[str, str]:
 
 
 def trial_processes() -> list[int]:
-    """PIDs of Ray workers running a Tune trial right now (Ray titles them
-    ``ray::ImplicitFunc.train`` while they train): a test kills one to inject a crash. A
-    worker kept for the job's next trial (actor reuse) is titled ``ray::ImplicitFunc`` while
-    it waits: killing it would fail no trial."""
+    """PIDs of the Ray workers that hold a Tune trial, training or not: a test kills one to
+    inject a crash. Ray titles such a worker ``ray::ImplicitFunc.train`` while Tune waits in
+    ``train()`` for its next result and ``ray::ImplicitFunc`` in between (a worker kept for a
+    next trial under actor reuse is titled so too), so the title alone does not say whether
+    the worker is training, importing torch, or done."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
-                b"ray::ImplicitFunc.train"
+                b"ray::ImplicitFunc"
             ):
                 pids.append(int(proc.name))
         except OSError:  # the process ended meanwhile

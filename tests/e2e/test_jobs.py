@@ -185,10 +185,13 @@ def test_a_retried_attempt_is_charged_too(service, digits) -> None:
     victims: list[int] = []
 
     def training(j: dict) -> bool:
-        """Every training process has recorded its attempt, so the one killed has an attempt
-        to fail: a process titled ``.train`` may still be importing torch before it records
-        one. The same processes before and after the attempts are read, as many as the open
-        attempts. (Tune's results, with each trial's pid, reach its files seconds late.)"""
+        """Every trial worker holds an open attempt, so the one killed has an attempt to
+        fail. Each open attempt runs in a live trial worker, one per worker: when the workers
+        are the same before and after the attempts are read, and as many as the open attempts,
+        none of them is still importing torch before it records its attempt, or done with it.
+        (A worker's title flips between ``.train`` and idle with each epoch's result, so a
+        count of ``.train`` workers could match the attempts of others.)"""
+        assert j["status"] in ("queued", "running"), "the job ended before a kill could land"
         before = set(trial_processes())
         running = [
             a
