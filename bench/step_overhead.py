@@ -6,9 +6,11 @@
     python bench/step_overhead.py --style all_layer layer_wise param_wise  # a row per style
 
 Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
-clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_torchrng`` (the same step with
-its noise from torch's own generator instead of the product's AES-CTR stream: the ratio
-``fast`` / ``fast_torchrng`` is what secure randomness costs), ``opacus_hooks`` and
+clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_inline`` (the same step with
+its noise drawn in line, never ahead on a spare core: see ``workers.dp.engine``),
+``fast_torchrng`` (the same step with its noise from torch's own generator instead of the
+product's AES-CTR stream: the ratio ``fast`` / ``fast_torchrng`` is what secure randomness
+costs), ``opacus_hooks`` and
 ``opacus_ghost`` (Opacus 1.6 ``grad_sample_mode="hooks"`` / ``"ghost"``, an optional benchmark
 dependency). Every DP column clips (Abadi, R = 1, all-layer unless ``--style``), adds Gaussian
 noise once and takes an SGD step; ours run the product's own step
@@ -45,7 +47,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["nonprivate", "general", "fast", "fast_torchrng", "opacus_hooks", "opacus_ghost"]
+METHODS = [
+    "nonprivate",
+    "general",
+    "fast",
+    "fast_inline",
+    "fast_torchrng",
+    "opacus_hooks",
+    "opacus_ghost",
+]
 # name: (input shape, classes, model options)
 MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
     "mlp": ((3, 32, 32), 10, {}),
@@ -129,7 +139,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         from workers.dp.grads import clipped_grad_sum
     from workers.dp.adaptive import ThresholdRule
     from workers.dp.engine import PrivateStep
-    from workers.dp.randomness import SecureStream
+    from workers.dp.randomness import SecureStream, spare_core
 
     class TorchNoise(SecureStream):
         """torch's own (not secure) generator, to price the secure one: ``fast_torchrng``."""
@@ -149,6 +159,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         expected_batch_size=batch,
         optimizer=optimizer,
         noise=TorchNoise() if method == "fast_torchrng" else SecureStream(),
+        draw_ahead=method != "fast_inline" and spare_core(),
     )
     return lambda: private.step([(x, y)], 0)
 

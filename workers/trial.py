@@ -36,7 +36,7 @@ from workers.data import Dataset, hold_out, load_cached
 from workers.dp import PrivateStep, get_clipper, resolve_groups
 from workers.dp.adaptive import build_rule
 from workers.dp.optim import build_optimizer
-from workers.dp.randomness import SecureStream, TrialRandomness
+from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
 from workers.dp.sampling import micro_batches, poisson_batches
 from workers.metrics import evaluate, group_accuracy, noisy_accuracy
 from workers.models import build_model
@@ -146,6 +146,7 @@ def build_engine(
         expected_batch_size=cfg.batch_size,
         optimizer=build_optimizer(cfg.optimizer, model),
         noise=randomness.gradient,
+        draw_ahead=spare_core(),
     )
 
 

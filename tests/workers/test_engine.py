@@ -1,9 +1,12 @@
 """Clipping bounds, sensitivity of the noiseless sum, the noise scale, and Poisson sampling."""
 
 import math
+import time
 
+import numpy as np
 import pytest
 import torch
+from randomgen import AESCounter
 from torch import nn
 
 from core.config import ModelConfig
@@ -11,6 +14,7 @@ from core.sampling import num_steps, sample_rate
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
+from workers.dp.ghost import clipped_grad_sum as fast_clipped_grad_sum
 from workers.dp.optim import SGD
 from workers.dp.randomness import SecureStream
 from workers.dp.sampling import micro_batches, poisson_batches
@@ -197,3 +201,51 @@ def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
     for t in range(3):
         step.step([(x, y)], t)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class SlowKeyed(SecureStream):
+    """Test double: a stream with a fixed key whose every draw starts 50 ms late."""
+
+    def __init__(self, key: int) -> None:
+        self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+
+    def normal(self, shape, **kwargs):
+        time.sleep(0.05)
+        return super().normal(shape, **kwargs)
+
+
+class Shrinking(ThresholdRule):
+    """Test double: C_{t+1} = 0.9·C_t."""
+
+    def update(self, norms, step):
+        self.threshold *= 0.9
+
+
+@pytest.mark.parametrize("style", ["all_layer", "layer_wise"])
+def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(style):
+    """Each step uses the draw made ahead for it once it is complete (a late one would
+    otherwise land on the sums), scaled by that step's C_t; with an empty batch the noise is
+    the gradient."""
+    models = []
+    for ahead in (False, True):
+        model = mlp()
+        step = PrivateStep(
+            model,
+            LOSS,
+            resolve_groups(model, style),
+            fast_clipped_grad_sum,
+            clipping="abadi",
+            gamma=0.01,
+            rule=Shrinking(0.5),
+            grad_noise=1.0,
+            expected_batch_size=6,
+            optimizer=SGD(model.parameters(), lr=0.1),
+            noise=SlowKeyed(2**90 + 3),
+            draw_ahead=ahead,
+        )
+        assert step.draw_ahead == ahead
+        for t, data in enumerate([batch(seed=1), batch(n=0), batch(seed=2), batch(seed=3)]):
+            step.step([data], t)
+        models.append(model)
+    for inline, ahead in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(inline, ahead)

@@ -8,7 +8,9 @@ and float32 Poisson sampling broke the coupling the accountant assumes.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from scipy import stats
 from core.config import TrialConfig
 from workers.data import Dataset, hold_out
 from workers.dp import randomness
-from workers.dp.randomness import SecureStream, TrialRandomness
+from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
 from workers.dp.sampling import poisson_batches
 from workers.trial import run_trial
 
@@ -166,3 +168,43 @@ def test_gaussian_tails_are_not_cut_at_float32_resolution() -> None:
 
     (z, _) = Extreme().normal(2).tolist()
     assert z == pytest.approx((2 * 53 * np.log(2)) ** 0.5, rel=1e-6)
+
+
+def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -> None:
+    threads: list[str] = []
+
+    class Recording(SecureStream):  # test double: records the thread of every draw
+        def normal(self, shape, *, out):  # type: ignore[override]
+            threads.append(threading.current_thread().name)
+            return super().normal(shape, out=out)
+
+    key, out = 2**100 + 7, torch.empty(1000)
+    ahead, plain = Recording(), SecureStream()
+    ahead.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+    plain.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+    for _ in range(3):  # three steps of three trials: one thread for them all
+        assert ahead.normal_ahead(out).result() is out
+        assert torch.equal(out, plain.normal(1000))
+    assert len(set(threads)) == 1 and threads[0].startswith("dptune-noise")
+    assert sum(t.name.startswith("dptune-noise") for t in threading.enumerate()) == 1
+
+
+def test_a_failed_draw_ahead_raises_where_its_noise_is_needed() -> None:
+    class Failing(SecureStream):  # test double
+        def normal(self, shape, *, out):  # type: ignore[override]
+            raise OSError("entropy source gone")
+
+    with pytest.raises(OSError, match="entropy source gone"):
+        Failing().normal_ahead(torch.empty(8)).result()
+
+
+def test_noise_is_drawn_ahead_only_with_a_core_to_spare() -> None:
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(cores)
+        assert not spare_core()
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert spare_core()
+    finally:
+        torch.set_num_threads(threads)

@@ -9,12 +9,21 @@ private gradient of every parameter is
 for add/remove, ≤ 2C_t for replace-one), the noise is drawn once per logical step whatever the
 number of micro-batches, and the divisor is the expected B, never |𝓑_t| (docs/design.md,
 invariant 1).
+
+On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``), into a second gradient
+buffer, while step t runs: a model-sized draw from the AES-CTR stream costs more than a whole
+non-private step of a small model (issue 15), and on a core that torch's threads leave free it
+overlaps the step's forward, backward, clipping and update instead. At step t + 1 the buffers
+swap. Nothing the guarantee rests on changes: z_{t+1} is the stream's next draw, used by
+step t + 1 alone, and scaled by σ_T·C_{t+1} there as before; a draw left over when training
+stops is never used. The cost is one more buffer of the model's size.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +79,7 @@ class PrivateStep:
         expected_batch_size: int,
         optimizer: Optimizer,
         noise: SecureStream,
+        draw_ahead: bool = False,
     ) -> None:
         self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
         self.clipping, self.gamma, self.rule = clipping, gamma, rule
@@ -86,13 +96,18 @@ class PrivateStep:
             dtype=functools.reduce(torch.promote_types, (p.dtype for p in self.params.values())),
         )
         #: each parameter's part of the buffer, by name: what the clipper adds its sums into
-        self.views = {
+        self.views = self._views(self.flat)
+        #: draw each next step's noise ahead (see the module); CUDA draws on the device anyway
+        self.draw_ahead = draw_ahead and self.flat.device.type == "cpu"
+        #: the buffer the next step's noise is drawn into (ahead), while this step uses ``flat``
+        self.spare = torch.empty_like(self.flat) if self.draw_ahead else None
+        self.ahead: Future[Tensor] | None = None
+
+    def _views(self, flat: Tensor) -> dict[str, Tensor]:
+        sizes = [p.numel() for p in self.params.values()]
+        return {
             name: view.view_as(p)
-            for (name, p), view in zip(
-                self.params.items(),
-                self.flat.split([p.numel() for p in self.params.values()]),
-                strict=True,
-            )
+            for (name, p), view in zip(self.params.items(), flat.split(sizes), strict=True)
         }
 
     def noise_std(self, threshold: float) -> float:
@@ -104,9 +119,10 @@ class PrivateStep:
         ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
         threshold = self.rule.threshold
         coef_fn = coefficient_fn(self.clipping, threshold, len(self.groups), self.gamma)
-        # z is drawn straight into the buffer, then σ_T·C_t·z, the clipper adds each clipped
-        # sum into it as soon as it is formed, then / B: no temporary of the model's size.
-        self.noise.normal(self.flat.numel(), out=self.flat)
+        # z is drawn straight into the buffer (or was, ahead), then σ_T·C_t·z, the clipper adds
+        # each clipped sum into it as soon as it is formed, then / B: no temporary of the
+        # model's size.
+        self._draw()
         self.flat.mul_(self.grad_noise * threshold)
         norms = [torch.zeros(0)]
         for inputs, targets in batches:
@@ -120,6 +136,17 @@ class PrivateStep:
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
         return torch.cat(norms)
+
+    def _draw(self) -> None:
+        """Put this step's z in ``flat``: the draw made ahead, whose buffer becomes ``flat``,
+        or one made now; then, drawing ahead, start the next step's into the other buffer."""
+        if self.ahead is not None:
+            self.flat, self.spare = self.ahead.result(), self.flat  # a failed draw raises here
+            self.views = self._views(self.flat)
+        else:
+            self.noise.normal(self.flat.numel(), out=self.flat)
+        if self.spare is not None:
+            self.ahead = self.noise.normal_ahead(self.spare)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
         """Private gradient, optimizer step, then the threshold rule's update for step t+1."""

@@ -25,12 +25,17 @@ On CUDA, copying host-generated noise for a large model every step would dominat
 Gaussian draws are made on the device by torch's Philox generator, re-keyed for every draw from
 the AES stream with a 63-bit key and a 61-bit counter offset (124 bits per draw that an
 attacker would have to search, each draw independent of the others).
+
+On CPU the engine may draw a step's noise ahead (:meth:`SecureStream.normal_ahead`, on a core
+that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.PrivateStep``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -39,6 +44,8 @@ from core.entropy import secure_generator
 
 #: Gaussian pairs drawn per chunk (two draws of 512 KiB of float64 uniforms)
 CHUNK = 1 << 16
+#: the thread that draws noise ahead (:meth:`SecureStream.normal_ahead`), started on first use
+_AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptune-noise")
 
 
 class SecureStream:
@@ -104,6 +111,11 @@ class SecureStream:
             part[half:] = radius.mul_(angle.sin_())[: len(part) - half]
         return out
 
+    def normal_ahead(self, out: Tensor) -> Future[Tensor]:
+        """Start drawing standard normals into ``out`` on the process's one noise thread (its
+        trials run one at a time); the future holds ``out`` when done, or the draw's error."""
+        return _AHEAD.submit(self.normal, out.shape, out=out)
+
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
         return int(self.numpy.integers(high))
@@ -114,6 +126,13 @@ class SecureStream:
         generator.manual_seed(self.integers(2**63))
         generator.set_offset(4 * self.integers(2**61))  # Philox offsets advance in fours
         return generator
+
+
+def spare_core() -> bool:
+    """Whether this process may run on more cores than torch's threads use (a trial sets them
+    to its CPU request): only then does drawing noise ahead (:meth:`SecureStream.normal_ahead`)
+    run beside the step rather than take turns with it."""
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
 
 
 class TrialRandomness:
