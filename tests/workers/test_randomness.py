@@ -189,6 +189,20 @@ def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -
     assert sum(t.name.startswith("dptune-noise") for t in threading.enumerate()) == 1
 
 
+def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
+    """A child inherits no threads: work queued to the parent's noise thread would never run."""
+    SecureStream().normal_ahead(torch.empty(8)).result()  # the parent's thread exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its draw completes
+        code = 1
+        try:
+            SecureStream().normal_ahead(torch.empty(8)).result(timeout=10)
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
 def test_a_failed_draw_ahead_raises_where_its_noise_is_needed() -> None:
     class Failing(SecureStream):  # test double
         def normal(self, shape, *, out):  # type: ignore[override]

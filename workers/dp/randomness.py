@@ -44,8 +44,8 @@ from core.entropy import secure_generator
 
 #: Gaussian pairs drawn per chunk (two draws of 512 KiB of float64 uniforms)
 CHUNK = 1 << 16
-#: the thread that draws noise ahead (:meth:`SecureStream.normal_ahead`), started on first use
-_AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptune-noise")
+#: the process that owns it, and the thread that draws noise ahead in that process
+_noise_thread: tuple[int, ThreadPoolExecutor] | None = None
 
 
 class SecureStream:
@@ -114,7 +114,7 @@ class SecureStream:
     def normal_ahead(self, out: Tensor) -> Future[Tensor]:
         """Start drawing standard normals into ``out`` on the process's one noise thread (its
         trials run one at a time); the future holds ``out`` when done, or the draw's error."""
-        return _AHEAD.submit(self.normal, out.shape, out=out)
+        return _drawing_thread().submit(self.normal, out.shape, out=out)
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
@@ -128,11 +128,24 @@ class SecureStream:
         return generator
 
 
+def _drawing_thread() -> ThreadPoolExecutor:
+    """This process's one noise thread (its trials run one at a time), made on first use. A
+    forked child inherits the parent's executor but not its thread, and work queued there
+    would never run, so a child makes its own."""
+    global _noise_thread
+    if _noise_thread is None or _noise_thread[0] != os.getpid():
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptune-noise")
+        _noise_thread = (os.getpid(), pool)
+    return _noise_thread[1]
+
+
 def spare_core() -> bool:
     """Whether this process may run on more cores than torch's threads use (a trial sets them
     to its CPU request): only then does drawing noise ahead (:meth:`SecureStream.normal_ahead`)
     run beside the step rather than take turns with it."""
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return cores > torch.get_num_threads()
 
 
 class TrialRandomness:
