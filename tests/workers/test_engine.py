@@ -85,21 +85,32 @@ class CountingStream(SecureStream):
         return super().normal(shape, **kwargs)
 
 
-def make_step(model, *, noise, threshold, expected, stream=None):
-    groups = resolve_groups(model, "layer_wise")
-    optimizer = SGD(model.parameters(), lr=0.0)
+def make_step(
+    model,
+    *,
+    noise,
+    threshold,
+    expected,
+    stream=None,
+    style="layer_wise",
+    clipper=clipped_grad_sum,
+    rule=None,
+    lr=0.0,
+    draw_ahead=False,
+):
     return PrivateStep(
         model,
         LOSS,
-        groups,
-        clipped_grad_sum,
+        resolve_groups(model, style),
+        clipper,
         clipping="abadi",
         gamma=0.01,
-        rule=ThresholdRule(threshold),
+        rule=rule or ThresholdRule(threshold),
         grad_noise=noise,
         expected_batch_size=expected,
-        optimizer=optimizer,
+        optimizer=SGD(model.parameters(), lr=lr),
         noise=stream or SecureStream(),
+        draw_ahead=draw_ahead,
     )
 
 
@@ -229,18 +240,16 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(s
     models = []
     for ahead in (False, True):
         model = mlp()
-        step = PrivateStep(
+        step = make_step(
             model,
-            LOSS,
-            resolve_groups(model, style),
-            fast_clipped_grad_sum,
-            clipping="abadi",
-            gamma=0.01,
+            noise=1.0,
+            threshold=0.5,
+            expected=6,
+            stream=SlowKeyed(2**90 + 3),
+            style=style,
+            clipper=fast_clipped_grad_sum,
             rule=Shrinking(0.5),
-            grad_noise=1.0,
-            expected_batch_size=6,
-            optimizer=SGD(model.parameters(), lr=0.1),
-            noise=SlowKeyed(2**90 + 3),
+            lr=0.1,
             draw_ahead=ahead,
         )
         assert step.draw_ahead == ahead
