@@ -97,11 +97,18 @@ class PrivateStep:
         )
         #: each parameter's part of the buffer, by name: what the clipper adds its sums into
         self.views = self._views(self.flat)
-        #: draw each next step's noise ahead (see the module); CUDA draws on the device anyway
-        self.draw_ahead = draw_ahead and self.flat.device.type == "cpu"
-        #: the buffer the next step's noise is drawn into (ahead), while this step uses ``flat``
-        self.spare = torch.empty_like(self.flat) if self.draw_ahead else None
+        #: drawing ahead (see the module; CUDA draws on the device anyway): the buffer the next
+        #: step's noise is drawn into while this step uses ``flat``, with its views
+        self.spare: tuple[Tensor, dict[str, Tensor]] | None = None
+        if draw_ahead and self.flat.device.type == "cpu":
+            spare = torch.empty_like(self.flat)
+            self.spare = (spare, self._views(spare))
         self.ahead: Future[Tensor] | None = None
+
+    @property
+    def draw_ahead(self) -> bool:
+        """Whether each next step's noise is drawn ahead."""
+        return self.spare is not None
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -140,13 +147,13 @@ class PrivateStep:
     def _draw(self) -> None:
         """Put this step's z in ``flat``: the draw made ahead, whose buffer becomes ``flat``,
         or one made now; then, drawing ahead, start the next step's into the other buffer."""
-        if self.ahead is not None:
-            self.flat, self.spare = self.ahead.result(), self.flat  # a failed draw raises here
-            self.views = self._views(self.flat)
+        if self.ahead is not None and self.spare is not None:
+            self.ahead.result()  # a failed draw raises here
+            (self.flat, self.views), self.spare = self.spare, (self.flat, self.views)
         else:
             self.noise.normal(self.flat.numel(), out=self.flat)
         if self.spare is not None:
-            self.ahead = self.noise.normal_ahead(self.spare)
+            self.ahead = self.noise.normal_ahead(self.spare[0])
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
         """Private gradient, optimizer step, then the threshold rule's update for step t+1."""
