@@ -138,7 +138,7 @@ class LocalCluster:
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
         }
 
-    def _start(self, head: bool, num_cpus: int) -> Node:
+    def _start(self, head: bool, num_cpus: int, num_gpus: int = 0) -> Node:
         node = Node(Path(tempfile.mkdtemp(prefix="n", dir=self.root)), head)
         cmd = [
             _ray_cli(),
@@ -146,7 +146,7 @@ class LocalCluster:
             f"--temp-dir={node.temp_dir}",
             f"--node-ip-address={HOST}",
             f"--num-cpus={num_cpus}",
-            "--num-gpus=0",
+            f"--num-gpus={num_gpus}",
             f"--object-store-memory={100 * 1024**2}",
             "--disable-usage-stats",
             f'--resources={{"{node.temp_dir.name}": 1}}',  # tells the node in Ray's state API
@@ -172,8 +172,8 @@ class LocalCluster:
             raise RuntimeError(f"ray start failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         return node
 
-    def start_head(self, num_cpus: int = 1) -> Node:
-        return self._start(True, num_cpus)
+    def start_head(self, num_cpus: int = 1, num_gpus: int = 0) -> Node:
+        return self._start(True, num_cpus, num_gpus)
 
     def add_worker(self, num_cpus: int = 1) -> Node:
         return self._start(False, num_cpus)
