@@ -7,6 +7,7 @@ every clipping style, shared layers, fallbacks, and against the engine's general
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -276,6 +277,73 @@ def test_gradients_formed_during_backward_match(monkeypatch: pytest.MonkeyPatch)
     # gradients right after it; so did the unused GroupNorm, whose hook never fired, from a
     # zero output gradient
     assert sorted(formed) == ["Conv1d", "GroupNorm"]
+
+
+class Ungrouped(nn.Module):
+    """Ungrouped convolutions whose per-sample gradients are kept: Conv1d with string padding
+    and dilation, Conv2d with a non-square kernel, stride, padding and dilation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 3, 3, padding="same", dilation=2)
+        self.c2 = nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
+        self.head = nn.Linear(3 * 9 + 5 * 5 * 7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.c1(x[:, :, 0, :])).flatten(1)
+        return self.head(torch.cat([a, torch.tanh(self.c2(x[:, :3])).flatten(1)], 1))
+
+
+@pytest.mark.parametrize("way", ["_grouped_per_sample", "_matmul_per_sample"])
+def test_both_ways_of_forming_per_sample_convolution_gradients_match(
+    monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """Each way ``ConvRule.weight_per_sample`` may pick, forced on every ungrouped convolution
+    (a sample at a time through the matmuls' chunks), against the reference; grouped
+    convolutions keep the grouped one."""
+    ran: list[int] = []
+    forced = getattr(ghost_layers, way)
+
+    def spy(*args):
+        ran.append(args[3])  # the convolution's groups
+        return forced(*args)
+
+    monkeypatch.setattr(ghost_layers, "_FASTER", {})
+    monkeypatch.setattr(ghost_layers, "_Faster", lambda candidates: spy)
+    monkeypatch.setattr(ghost_layers, "PATCH_CHUNK", 1)
+    torch.manual_seed(0)
+    for style_name in ["all_layer", "param_wise"]:
+        check(Ungrouped(), *data("image"), style_name)
+        check(Convs(), *data("image"), style_name)
+    assert ran and set(ran) == {1}
+
+
+def test_the_faster_way_is_kept_after_each_has_run_its_timed_runs() -> None:
+    """The candidates take turns until each has run ``TIMED_RUNS`` times; then the one with the
+    least time per sample serves alone. Every call returns what the candidate that ran gave."""
+    calls: list[str] = []
+
+    def slow(x: Tensor, *rest) -> Tensor:  # 2 ms a sample
+        calls.append("slow")
+        time.sleep(0.002 * len(x))
+        return x + 1
+
+    def quick(x: Tensor, *rest) -> Tensor:  # 1 ms a sample
+        calls.append("quick")
+        time.sleep(0.001 * len(x))
+        return x + 2
+
+    faster = ghost_layers._Faster([slow, quick])
+    runs = ghost_layers.TIMED_RUNS
+    # slow gets one sample and quick ten: in all, quick takes longer, but not per sample
+    for i in range(2 * runs):
+        x = torch.zeros(1 if i % 2 == 0 else 10)
+        out = faster(x)
+        assert torch.equal(out, x + (1 if calls[-1] == "slow" else 2))
+    assert calls == ["slow", "quick"] * runs and faster.chosen is quick
+    for _ in range(3):
+        assert torch.equal(faster(torch.zeros(4)), torch.full((4,), 2.0))
+    assert calls[2 * runs :] == ["quick"] * 3
 
 
 def test_shared_layer_sums_its_calls() -> None:

@@ -31,8 +31,10 @@ rounding guard (``positions_sq_norms``) that makes the argument rigorous.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,15 @@ CHUNK_ELEMENTS = 1 << 24
 SUM_ROWS = 1 << 16
 # Unit roundoff of float64.
 U64 = 2.0**-53
+# Most elements of the patches one batched matmul of per-sample convolution gradients copies at
+# once (``_matmul_per_sample``): a few samples, about a megabyte in float32.
+PATCH_CHUNK = 1 << 18
+
+# Timed runs of each way to form a geometry's per-sample convolution gradients before the
+# faster one is kept (``_Faster``).
+TIMED_RUNS = 2
+
+PerSampleConv = Callable[[Tensor, Tensor, dict[str, tuple], int, torch.Size], Tensor]
 
 
 @dataclass
@@ -336,7 +347,8 @@ class ConvRule(LayerRule):
     A convolution is a linear map on the unfolded patches [B, C_in·k, T] (one per conv group),
     so norms and clipped sums are those of ``positions_sq_norms`` / ``positions_sum`` on the
     patches, a bounded chunk of samples at a time. Per-sample gradients formed in the backward
-    pass (``keeps_per_sample``) come from one grouped weight-gradient convolution instead.
+    pass (``keeps_per_sample``) come from one grouped weight-gradient convolution, or from
+    batched matmuls over the patches where those are faster (``weight_per_sample``).
     """
 
     has_weight_matrix = True
@@ -383,7 +395,7 @@ class ConvRule(LayerRule):
     ) -> bool:
         """Where the instantiated norm is the cheaper one, keep per-sample gradients if they
         are smaller than twice the input and output gradient. Up to that size, holding them
-        (one float32 grouped convolution) beats book-keeping on time by far: the book-kept
+        (in float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept
         route unfolds the patches, k/stride² times the input, in float64 twice (norm, sum)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         output = math.prod(output_shape[1:])
@@ -392,22 +404,26 @@ class ConvRule(LayerRule):
         ) and module.weight.numel() < 2 * (activation[0].numel() + output)
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
-        """Per-sample weight gradients [B, *weight] from one weight-gradient convolution with the
-        samples as extra groups (faster than unfolding the patches)."""
+        """Per-sample weight gradients [B, *weight]: by one weight-gradient convolution with the
+        samples as extra groups (``_grouped_per_sample``), or on CPU, for an ungrouped
+        convolution, by batched matmuls over the patches (``_matmul_per_sample``) where those
+        are faster for this geometry on the trial's first steps (``_Faster``). Neither wins
+        everywhere: on CPU, oneDNN's grouped convolution is about 1.5× slower than the matmuls
+        for paper 001's first layer (3 input channels, 8×8 kernel), and faster for its second
+        at B = 64 and for resnet18's convolutions (up to 3×). Both give the same gradients up
+        to rounding, and a step's norms and clipped sums are both formed from the one result
+        it gets."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         x4, geo = self._as_2d(module, call.activation)
         g4 = call.grad.unsqueeze(-2) if isinstance(module, nn.Conv1d) else call.grad
-        b = x4.shape[0]
-        shape = (b * module.out_channels, module.weight.shape[1], *geo["kernel_size"])
-        return torch.nn.grad.conv2d_weight(
-            x4.reshape(1, -1, *x4.shape[2:]),
-            shape,
-            g4.reshape(1, -1, *g4.shape[2:]),
-            geo["stride"],
-            geo["padding"],
-            geo["dilation"],
-            b * module.groups,
-        ).view(b, *module.weight.shape)
+        args = (x4, g4, geo, module.groups, module.weight.shape)
+        if module.groups != 1 or x4.device.type != "cpu":
+            return _grouped_per_sample(*args)
+        # not the batch size: Poisson batches vary it every step
+        key = (x4.shape[1:], g4.shape[1:], tuple(geo.values()), x4.dtype)
+        if key not in _FASTER:
+            _FASTER[key] = _Faster([_grouped_per_sample, _matmul_per_sample])
+        return _FASTER[key](*args)
 
     def _patch_chunks(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call]) -> list[slice]:
         """Chunks of samples whose unfolded patches and output gradients fit the chunk size."""
@@ -450,6 +466,75 @@ class ConvRule(LayerRule):
         for part in self._patch_chunks(module, calls):
             per_group += positions_sum(*self._positions(module, calls, part), coef[part])
         return total
+
+
+def _grouped_per_sample(
+    x4: Tensor, g4: Tensor, geo: dict[str, tuple], groups: int, weight: torch.Size
+) -> Tensor:
+    """Per-sample weight gradients [B, *weight] of a 2-D convolution from one weight-gradient
+    convolution with the samples as extra groups."""
+    b = x4.shape[0]
+    return torch.nn.grad.conv2d_weight(
+        x4.reshape(1, -1, *x4.shape[2:]),
+        (b * weight[0], weight[1], *geo["kernel_size"]),
+        g4.reshape(1, -1, *g4.shape[2:]),
+        geo["stride"],
+        geo["padding"],
+        geo["dilation"],
+        b * groups,
+    ).view(b, *weight)
+
+
+def _matmul_per_sample(
+    x4: Tensor, g4: Tensor, geo: dict[str, tuple], groups: int, weight: torch.Size
+) -> Tensor:
+    """Per-sample weight gradients [B, *weight] of an ungrouped 2-D convolution as
+    ``g_i · P_iᵀ``: output gradients [O, T] times patches [T, C·k] per sample, the patches read
+    through a strided view of the padded input (no unfolding kernel) and copied a few samples
+    (``PATCH_CHUNK``) at a time."""
+    assert groups == 1
+    (ph, pw), (sh, sw), (dh, dw) = geo["padding"], geo["stride"], geo["dilation"]
+    x = F.pad(x4, (pw, pw, ph, ph))
+    b, c, (oh, ow), (kh, kw) = x.shape[0], x.shape[1], g4.shape[-2:], geo["kernel_size"]
+    st = x.stride()
+    view = x.as_strided(
+        (b, oh, ow, c, kh, kw), (st[0], sh * st[2], sw * st[3], st[1], dh * st[2], dw * st[3])
+    )
+    positions, width = oh * ow, c * kh * kw
+    out = x.new_empty(b, weight[0], width)
+    grads = g4.reshape(b, weight[0], positions)
+    step = max(1, PATCH_CHUNK // (positions * width))
+    for i in range(0, b, step):
+        patches = view[i : i + step].reshape(-1, positions, width)
+        torch.bmm(grads[i : i + step], patches, out=out[i : i + step])
+    return out.view(b, *weight)
+
+
+class _Faster:
+    """Runs the faster of ``candidates`` for one convolution geometry, found on the trial's
+    own steps: each candidate serves in turn until each has run ``TIMED_RUNS`` times, then the
+    one with the least time per sample in any of its runs (the least disturbed; its first run
+    also sets up its kernels) serves from then on."""
+
+    def __init__(self, candidates: list[PerSampleConv]) -> None:
+        self.seconds: dict[PerSampleConv, list[float]] = {c: [] for c in candidates}
+        self.chosen: PerSampleConv | None = None
+
+    def __call__(self, x4: Tensor, *rest: Any) -> Tensor:
+        if self.chosen is not None:
+            return self.chosen(x4, *rest)
+        candidate = min(self.seconds, key=lambda c: len(self.seconds[c]))
+        started = time.perf_counter()
+        out = candidate(x4, *rest)
+        self.seconds[candidate].append((time.perf_counter() - started) / max(1, len(x4)))
+        if all(len(runs) >= TIMED_RUNS for runs in self.seconds.values()):
+            self.chosen = min(self.seconds, key=lambda c: min(self.seconds[c]))
+        return out
+
+
+#: per convolution geometry on CPU, the way its per-sample weight gradients are formed
+#: (``ConvRule.weight_per_sample``)
+_FASTER: dict[tuple[object, ...], _Faster] = {}
 
 
 class EmbeddingRule(LayerRule):
