@@ -222,3 +222,23 @@ def test_hostile_records_on_the_fast_paths_torch_func_fallback(
     assert any(
         w.category is ghost.FallbackWarning and "LayerNorm" in str(w.message) for w in caught
     )
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("way", ["_grouped_per_sample", "_matmul_per_sample"])
+def test_hostile_records_on_each_way_of_forming_kept_convolution_gradients(
+    monkeypatch: pytest.MonkeyPatch, way: str, function: str, check: str
+) -> None:
+    """Each way ``ConvRule.weight_per_sample`` may pick for a geometry (``_Faster``), forced
+    on the cnn's convolutions, whose per-sample gradients are kept."""
+    forced, ran = getattr(ghost_layers, way), []
+
+    def spy(*args):
+        ran.append(len(args[0]))
+        return forced(*args)
+
+    monkeypatch.setattr(ghost_layers, "_FASTER", {})
+    monkeypatch.setattr(ghost_layers, "_Faster", lambda candidates: spy)
+    _check(ghost.clipped_grad_sum, "cnn", "layer_wise", function, check)
+    assert ran
