@@ -20,8 +20,9 @@ gradients, so its calls are concatenated along the position axis T before any no
 Floating point. The clipped sum of a weight matrix is not formed from the per-sample gradient
 whose norm is taken, so norm and sum must agree closely enough that no example's contribution
 exceeds its bound (issue 17, item 8). With one position (T = 1) the gradient g aᵀ is rank one:
-its norm is ‖a‖·‖g‖ (float64, no cancellation) and each entry of its contribution is a single
-product, so the parameter dtype serves for the sum. With T > 1 positions, Σ_t g_t a_tᵀ can
+its norm is ‖a‖·‖g‖ (no cancellation; ``sq_norms`` bounds each factor from above, a few parts
+per million over) and each entry of its contribution is a single product, so the parameter
+dtype serves for the sum. With T > 1 positions, Σ_t g_t a_tᵀ can
 cancel: inputs M·v and M·v + δ with output gradients +w and -w give -w δᵀ, and in float32 the
 ghost norm of such an example is rounding noise while the sum, by another route, is not. There
 the norm (ghost or instantiated) and the sum are both computed in float64, and the norm gets a
@@ -111,8 +112,10 @@ def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     ``Σ_k ‖Σ_t g_{t,k} a_{t,k}ᵀ‖_F²``, for ``a`` [B, G, T, d] and ``g`` [B, G, T, p], made an
     upper bound on the square of what ``positions_sum`` adds for a sample.
 
-    T = 1: (‖a‖·‖g‖)² in float64; the sum forms each entry of c·g aᵀ as one product in the
-    parameter dtype, so it exceeds c·‖a‖·‖g‖ by at most two roundings (1.2e-7 in float32).
+    T = 1: an upper bound on (‖a‖·‖g‖)², from upper bounds on both factors (``sq_norms``:
+    about 4 parts per million over in float32); the sum forms each entry of c·g aᵀ as one
+    product in the parameter dtype, so it exceeds c·‖a‖·‖g‖ by at most two roundings (1.2e-7
+    in float32).
     T > 1: ghost norm or instantiation (by ``use_ghost``) in float64 plus the guard κ·S_i²,
     S_i = Σ_t ‖a_t‖·‖g_t‖. Why this suffices (Higham, *Accuracy and Stability of Numerical
     Algorithms*, §3.1: a float64 dot product or sum of n terms x_k, evaluated in any order, has
@@ -139,7 +142,7 @@ def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     """
     batch, groups, positions, d = a.shape
     p = g.shape[-1]
-    if positions == 1:  # ‖a‖²·‖g‖² per map, by bounded float64 blocks (``sq_norms``)
+    if positions == 1:  # ‖a‖²·‖g‖² per map, each bounded from above (``sq_norms``)
         sq_a, sq_g = (sq_norms(x[:, :, 0].flatten(0, 1)).view(batch, groups) for x in (a, g))
         return (sq_a * sq_g).sum(1)
     ghost = use_ghost(positions, d, p)
