@@ -161,11 +161,12 @@ def _float32_guard(sums: Tensor, length: int) -> Tensor:
 
     A block of m ≤ ``NORM_BLOCK`` elements takes m squares and m − 1 additions in float32 and
     a square root (and, in a norm algorithm that scales its terms, up to two more roundings a
-    term), so r̂_b² ≥ S_b·(1 − γ_{m+8}) − 2m·2⁻¹²⁶: the last term for squares and sums that
-    underflow, or are flushed to zero. Squaring the B block norms and adding them in float64
-    loses at most γ_{B+2} of their sum. So, for a row of n elements,
+    term), so r̂_b² ≥ S_b·(1 − γ_{m+8}) − 4m·2⁻¹²⁶: the last term for squares, sums and a
+    square root whose input or result underflows, or is flushed to zero. Squaring the B block
+    norms and adding them in float64 loses at most γ_{B+2} of their sum. So, for a row of n
+    elements,
 
-        S ≤ (Σ r̂_b² / (1 − γ_{B+2}) + 2n·2⁻¹²⁶) / (1 − γ_{m+8}),
+        S ≤ (Σ r̂_b² / (1 − γ_{B+2}) + 4n·2⁻¹²⁶) / (1 − γ_{m+8}),
 
     and a factor 1 + 16·2⁻⁵³ covers this bound's own float64 arithmetic (its constants, one
     product and one sum). For an ordinary row the bound is about 4.3 parts per million above
@@ -179,7 +180,7 @@ def _float32_guard(sums: Tensor, length: int) -> Tensor:
     summing = 1 - gamma(blocks + 2, U64)
     in_blocks = 1 - gamma(NORM_BLOCK + 8, U32)
     margin = 1 + 16 * U64
-    return sums.mul_(margin / (summing * in_blocks)).add_(2 * length * TINY32 * margin / in_blocks)
+    return sums.mul_(margin / (summing * in_blocks)).add_(4 * length * TINY32 * margin / in_blocks)
 
 
 def _float64_sq_norms(flat: Tensor) -> Tensor:
