@@ -55,8 +55,16 @@ HEADERS = {"Authorization": f"Bearer {OPERATOR_KEY}"}
 LONG_EPOCHS = 12
 
 
-def job_spec(dataset: int, model: str, epochs: int) -> dict[str, Any]:
-    """10 trials (a grid of learning rates), one at a time, public validation."""
+def job_spec(
+    dataset: int,
+    model: str,
+    epochs: float,
+    trials: int = 10,
+    resources: dict[str, float] | None = None,
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """``trials`` trials (a grid of learning rates), public validation; by default one at a
+    time (each reserves both CPUs)."""
     return {
         "dataset": dataset,
         "model": {"name": model},
@@ -64,9 +72,11 @@ def job_spec(dataset: int, model: str, epochs: int) -> dict[str, Any]:
         "optimizer": {"name": "sgd", "lr": 0.5},
         "validation": {"split": "public"},
         "epochs": epochs,
-        "batch_size": 64,
-        "search_space": {"optimizer.lr": {"grid": [round(0.05 * (i + 1), 2) for i in range(10)]}},
-        "resources": {"cpu": 2},
+        "batch_size": batch_size,
+        "search_space": {
+            "optimizer.lr": {"grid": [round(0.05 * (i + 1), 3) for i in range(trials)]}
+        },
+        "resources": resources or {"cpu": 2},
         "privacy": {"epsilon": 40.0, "accounting": "rdp"},
     }
 

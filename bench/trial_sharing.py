@@ -40,7 +40,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # job_overhead: the product's path, shared
-from job_overhead import dptune_serve, local_cluster, run_job, trial_timings  # noqa: E402
+from job_overhead import (  # noqa: E402
+    dptune_serve,
+    job_spec,
+    local_cluster,
+    run_job,
+    trial_timings,
+)
 
 #: seconds between utilisation samples
 PERIOD_S = 0.25
@@ -127,23 +133,6 @@ def most_at_once(rows: list[dict[str, Any]]) -> int:
     return best
 
 
-def job_spec(dataset: int, args: argparse.Namespace, resources: dict[str, float]) -> dict:
-    """``--trials`` trials (a grid of learning rates) of the model, public validation."""
-    grid = [round(0.05 * (i + 1), 3) for i in range(args.trials)]
-    return {
-        "dataset": dataset,
-        "model": {"name": args.model},
-        "method": {"clipping": "abadi", "threshold": 1.0},
-        "optimizer": {"name": "sgd", "lr": 0.5},
-        "validation": {"split": "public"},
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "search_space": {"optimizer.lr": {"grid": grid}},
-        "resources": resources,
-        "privacy": {"epsilon": 40.0, "accounting": "rdp"},
-    }
-
-
 def resources(device: str, cpus: int, share: int) -> dict[str, dict[str, float]]:
     """Each mode's per-trial resources: the whole device, or a 1/``share`` of it."""
     if device == "cuda":
@@ -221,7 +210,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 )
                 r.raise_for_status()
                 for mode, asked in resources(device, args.cpus, args.share).items():
-                    spec = job_spec(r.json()["id"], args, asked)
+                    spec = job_spec(
+                        r.json()["id"],
+                        args.model,
+                        args.epochs,
+                        trials=args.trials,
+                        resources=asked,
+                        batch_size=args.batch_size,
+                    )
                     with Sampler(device) as usage:
                         job_id, posted = run_job(client, spec, timeout=3600)
                         wall = time.time() - posted

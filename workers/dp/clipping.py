@@ -124,8 +124,8 @@ def coefficient_fn(
 
 def sq_norms(rows: Tensor) -> Tensor:
     """‖x_i‖² [B] (float64) of every row x_i = ``rows[i]``, finite for every row of finite
-    values: for float32 rows of more than ``BLOCKS_ABOVE`` elements in all, an upper bound a few
-    parts per million above it; otherwise the float64 sum, within about n·10⁻¹⁶ of it.
+    values: for float32 rows on CPU of more than ``BLOCKS_ABOVE`` elements in all, an upper
+    bound a few parts per million above it; otherwise the float64 sum, within about n·10⁻¹⁶.
 
     Squares of float32 values overflow from 1.8e19 on, and a float32 sum of millions of
     squares loses ~1e-4 of its value; in float64 neither happens (a float32 value squared is
@@ -134,18 +134,20 @@ def sq_norms(rows: Tensor) -> Tensor:
     blocks of ``NORM_BLOCK`` elements, each in float32 (one pass over the input, no float64
     copy of it), the block sums added in float64 and raised by ``_float32_guard`` to a bound
     on the exact value. A row whose blocks overflow (or hold a NaN or an infinity) is summed
-    in float64 instead (``_float64_sq_norms``), as small and non-float32 inputs are.
+    in float64 instead (``_float64_sq_norms``), as small, non-float32 and device inputs are
+    (on a GPU, unmeasured, the overflow check would cost a host sync per call).
     """
     flat = rows.flatten(1)
     length = flat.shape[1]
-    if flat.dtype != torch.float32 or length == 0 or flat.numel() <= BLOCKS_ABOVE:
+    blocks = flat.dtype == torch.float32 and flat.device.type == "cpu" and length > 0
+    if not blocks or flat.numel() <= BLOCKS_ABOVE:
         return _float64_sq_norms(flat)  # small: one float64 reduction makes fewer calls
     whole = length // NORM_BLOCK
     view = flat[:, : whole * NORM_BLOCK].reshape(len(flat), whole, NORM_BLOCK)
-    blocks = [torch.linalg.vector_norm(view, dim=2)]
+    norms = [torch.linalg.vector_norm(view, dim=2)]
     if whole * NORM_BLOCK < length:
-        blocks.append(torch.linalg.vector_norm(flat[:, whole * NORM_BLOCK :], dim=1, keepdim=True))
-    sums = torch.cat(blocks, 1).double().square().sum(1)
+        norms.append(torch.linalg.vector_norm(flat[:, whole * NORM_BLOCK :], dim=1, keepdim=True))
+    sums = torch.cat(norms, 1).double().square().sum(1)
     bound = _float32_guard(sums, length)
     overflowed = ~bound.isfinite()
     if overflowed.any():

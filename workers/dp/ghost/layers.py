@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.dp.clipping import clipped_sum, sq_norms
+from workers.dp.clipping import U64, clipped_sum, sq_norms
 
 # Most float elements a transient tensor (unfolded patches, Gram matrices, instantiated
 # per-sample weight gradients) may hold; larger batches are processed in chunks of samples.
@@ -50,8 +50,6 @@ CHUNK_ELEMENTS = 1 << 24
 # positions is reduced alone): this bounds the n of the reduction's rounding error, see
 # ``rounding_slack``.
 SUM_ROWS = 1 << 16
-# Unit roundoff of float64.
-U64 = 2.0**-53
 # Most elements of the patches one batched matmul of per-sample convolution gradients copies at
 # once (``_matmul_per_sample``): a few samples, about a megabyte in float32.
 PATCH_CHUNK = 1 << 18
