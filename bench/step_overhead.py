@@ -18,17 +18,24 @@ noise once and takes an SGD step; ours run the product's own step
 :class:`~workers.dp.randomness.SecureStream` into one flat gradient buffer, optimizer step).
 
 Each (model, batch, column) runs in a fresh subprocess, so peak memory is not polluted by other
-runs. Peak memory = the largest memory in use during the first two steps, counting the model,
-its optimizer, the batch and every transient (the second step is a steady one: it holds the
-optimizer's state and the buffers libraries allocate on first use, wherever in the first step
-that use fell): on CUDA ``torch.cuda.max_memory_allocated``; on CPU
-the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before the
-model is built) minus the resident set after every import and a throwaway computation that
-sets up the math libraries (their one-time set-up is no column's cost), with glibc told to
-``mmap`` every block over 64 KiB during those steps, so freed tensors leave the resident set at
-once. The timed steps then run with glibc's usual heap reuse: after a warm-up of ``--seconds``/2,
-step time is the median of at least ``--steps`` steps, more until ``--seconds`` have passed
-(the median shrugs off the stalls of a shared machine).
+runs. Peak memory = the largest memory in use during two steady steps, the fifth and the
+sixth, counting the model, its optimizer, the batch, what the first four steps left behind
+(optimizer state, buffers libraries allocate on first use; by then each convolution geometry's
+way of forming per-sample gradients is chosen, ``workers.dp.ghost.layers._Faster``) and every
+transient: on CUDA ``torch.cuda.max_memory_allocated`` (reset after the fourth step); on CPU
+the process's peak resident set during those steps (VmHWM, reset through
+``/proc/self/clear_refs`` after the fourth step) minus the resident set after every import and
+a throwaway computation that sets up the math libraries, taken before the model is built
+(their one-time set-up is no column's cost), and minus the pages of shared-library code the
+first four steps mapped (``code_mb``, the growth of ``RssFile``: one-time, shared with every
+process that maps the library, and not memory a step holds; the first Gaussian draw of a
+process alone maps 2.8 MB of torch's vectorised log, cos and sin code). glibc is told to
+``mmap`` every block over 64 KiB during those six steps, so freed tensors leave the resident
+set at once. ``first_peak_mb`` in the JSON is the peak over the first four steps, code pages
+included (about this table's measure until 2026-11-25, which also counted the model's
+construction). The timed steps then run with glibc's usual heap reuse: after a warm-up of
+``--seconds``/2, step time is the median of at least ``--steps`` steps, more until
+``--seconds`` have passed (the median shrugs off the stalls of a shared machine).
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class Result:
     time_s: float | None = None
     peak_mb: float | None = None
     style: str = "all_layer"  # clipping style of a DP column (non-private: none applies)
+    code_mb: float | None = None  # CPU: shared-library pages the first four steps mapped
+    first_peak_mb: float | None = None  # steps 1-4, code pages included
 
 
 # ------------------------------------------------------------------ one run (in a subprocess)
@@ -200,6 +209,49 @@ def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
     return step
 
 
+@dataclass
+class Memory:
+    """A column's memory in MB (see the module docstring)."""
+
+    peak_mb: float  # steps 5-6, less the code pages
+    code_mb: float | None  # CPU: shared-library pages the first four steps mapped
+    first_peak_mb: float  # steps 1-4, code pages included
+
+
+def measure_memory(
+    build: Callable[[], Callable[[], None]], device: str
+) -> tuple[Callable[[], None], Memory]:
+    """Build a step with ``build`` and measure its memory over its first six runs; glibc then
+    goes back to heap reuse for the timed steps."""
+    cuda = device == "cuda"
+    if not cuda:
+        _mmap_threshold(1 << 16)
+    baseline_kb, file_kb = _proc_kb("VmRSS"), _proc_kb("RssFile")
+    step = build()
+    first_peak_mb = _peak_over(step, cuda, baseline_kb, 4)
+    code_mb = None if cuda else (_proc_kb("RssFile") - file_kb) / 1024
+    peak_mb = _peak_over(step, cuda, baseline_kb + 1024 * (code_mb or 0), 2)
+    if not cuda:
+        _mmap_threshold(1 << 25)  # glibc's largest threshold: tensors reuse the heap
+    return step, Memory(peak_mb, code_mb, first_peak_mb)
+
+
+def _peak_over(step: Callable[[], None], cuda: bool, base_kb: float, steps: int) -> float:
+    """Peak memory (MB) of ``steps`` steps, above ``base_kb`` of resident set on CPU."""
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    for _ in range(steps):
+        step()
+    return (_proc_kb("VmHWM") - base_kb) / 1024
+
+
 def run_one(
     model_name: str,
     batch: int,
@@ -218,28 +270,12 @@ def run_one(
         importlib.import_module(name)  # before the memory baseline: imports are not the step
     _start_runtime(device)
 
-    cuda = device == "cuda"
     if threads:
         torch.set_num_threads(threads)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        _mmap_threshold(1 << 16)
-    baseline_kb = _proc_kb("VmRSS")
-    if not cuda:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    step = _build_step(model_name, batch, method, device, style)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step()
-    step()
-    sync()
-    peak_mb = (
-        torch.cuda.max_memory_allocated() / 2**20
-        if cuda
-        else (_proc_kb("VmHWM") - baseline_kb) / 1024
+    step, memory = measure_memory(
+        lambda: _build_step(model_name, batch, method, device, style), device
     )
-    if not cuda:
-        _mmap_threshold(1 << 25)  # glibc's largest threshold: tensors reuse the heap
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(least: int, budget: float) -> list[float]:
         times: list[float] = []
@@ -252,7 +288,8 @@ def run_one(
 
     timed(1, seconds / 2)  # warm-up: fresh pages and kernel caches are slow at first
     times = timed(steps, seconds)
-    return Result(model_name, batch, method, "ok", statistics.median(times), peak_mb, style)
+    median = statistics.median(times)
+    return Result(model_name, batch, method, "ok", median, style=style, **asdict(memory))
 
 
 # ------------------------------------------------------------------ driver
@@ -423,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
                     result = _spawn(model_name, batch, method, style, args)
                 print(
                     f"{model_name:12s} B={batch:<4d} {method:13s} {style:10s} "
-                    f"{result.status:6.6s} time={result.time_s} peak_mb={result.peak_mb}",
+                    f"{result.status:6.6s} time={result.time_s} peak_mb={result.peak_mb} "
+                    f"code_mb={result.code_mb}",
                     file=sys.stderr,
                 )
                 results.append(result)
