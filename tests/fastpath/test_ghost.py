@@ -244,6 +244,17 @@ def test_ghost_and_instantiated_norms_both_match(
     check(Shared(), *data("dense"), "all_layer")
 
 
+def test_book_kept_instantiated_conv_norms_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Convolutions whose instantiated norm is the cheaper one keep their per-sample gradients
+    when called once; the book-kept route with instantiated norms (a convolution called
+    several times takes it) must still match when every convolution is forced onto it."""
+    monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: False)
+    monkeypatch.setattr(ghost_layers.ConvRule, "keeps_per_sample", lambda *_: False)
+    torch.manual_seed(0)
+    check(Convs(), *data("image"), "param_wise")
+    check(Convs(), *data("image"), "all_layer")
+
+
 def test_gradients_formed_during_backward_match(monkeypatch: pytest.MonkeyPatch) -> None:
     """Norm layers and many-position convolutions form per-sample gradients in the backward
     pass (a hook on their node) or, for a first layer, right after it; a layer whose output is

@@ -394,15 +394,17 @@ class ConvRule(LayerRule):
     def keeps_per_sample(
         self, module: nn.Module, activation: Tensor, output_shape: torch.Size
     ) -> bool:
-        """Where the instantiated norm is the cheaper one, keep per-sample gradients if they
-        are smaller than twice the input and output gradient. Up to that size, holding them
-        (in float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept
-        route unfolds the patches, k/stride² times the input, in float64 twice (norm, sum)."""
+        """Keep per-sample gradients wherever the instantiated norm is the cheaper one (as for
+        a linear layer over several positions). They are then smaller than the unfolded
+        patches and output gradients of a sample (p·d < T(d + p)), and holding them (in
+        float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept route
+        unfolds the patches, k/stride² times the input, in float64 twice (norm, sum). On
+        resnet18 (its three 128-channel 3×3 convolutions after the first) this took 32 % off
+        the step at B = 64 and 10–14 % at B = 256, for 9–21 % more peak memory under all-layer
+        clipping and 9 % less under layer-wise clipping at B = 64 (README, "Kept per-sample
+        gradients for every convolution where instantiating is cheaper")."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        output = math.prod(output_shape[1:])
-        return not self._ghost_cheaper(
-            module, output // module.out_channels
-        ) and module.weight.numel() < 2 * (activation[0].numel() + output)
+        return not self._ghost_cheaper(module, math.prod(output_shape[2:]))
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
         """Per-sample weight gradients [B, *weight]: by one weight-gradient convolution with the
