@@ -399,7 +399,7 @@ class ConvRule(LayerRule):
         patches and output gradients of a sample (p·d < T(d + p)), and holding them (in
         float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept route
         unfolds the patches, k/stride² times the input, in float64 twice (norm, sum). On
-        resnet18 (its three 128-channel 3×3 convolutions after the first) this took 32 % off
+        resnet18 (its three 128-channel 3×3 convolutions after the first) this took 27–32 % off
         the step at B = 64 and 10–14 % at B = 256, for 9–21 % more peak memory under all-layer
         clipping and 9 % less under layer-wise clipping at B = 64 (README, "Kept per-sample
         gradients for every convolution where instantiating is cheaper")."""
