@@ -8,12 +8,15 @@ Rows (each the median of ``--repeats`` rounds; a round times every row once, in 
 rows see the same machine):
 
 - ``product``: :meth:`workers.dp.randomness.SecureStream.normal`, the noise every private step
-  draws (AES-128-CTR uniforms, Box–Muller in torch);
-- ``aes_uniforms``: the AES-CTR uniforms alone, 53-bit, one per draw (``randomgen.AESCounter``
-  with AES-NI where the CPU has it: the generator behind ``core.entropy.secure_generator``);
-- ``transform``: the product's Box–Muller code alone, on uniforms already drawn;
-- ``chacha20_uniforms``, ``chacha8_uniforms``, ``speck128_uniforms``: the same uniforms from
-  randomgen's other secure generators (ChaCha with SIMD, SPECK-128), as the alternatives;
+  draws (Box–Muller in torch on OpenSSL's AES-128-CTR keystream, 12 bytes a pair);
+- ``keystream``: those bytes alone (:class:`core.entropy.Keystream`);
+- ``transform``: the product's Box–Muller code alone, on bytes drawn beforehand (a copy of
+  each chunk's, which the row includes);
+- ``randomgen_aes``, ``chacha20``, ``chacha8``, ``speck128``: as many bytes from randomgen's
+  AES-128-CTR (``AESCounter``, the generator behind ``core.entropy.secure_generator``), ChaCha
+  with SIMD and SPECK-128, as the alternatives to OpenSSL's keystream;
+- ``randomgen_box_muller``: the draw as the product made it before 2026-11-26, Box–Muller in
+  torch on two 53-bit uniforms a pair from ``randomgen``'s AES-CTR (16 bytes a pair);
 - ``torch_randn``: torch's own ``normal_`` (mt19937, not secure: see ``workers.dp.randomness``),
   as the floor the secure noise is compared with.
 
@@ -24,6 +27,7 @@ as a trial with one CPU runs.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -32,47 +36,71 @@ import numpy as np
 import torch
 from randomgen import SPECK128, AESCounter, ChaCha
 
+from core.entropy import Keystream
 from workers.dp.randomness import CHUNK, SecureStream
 
 #: parameter counts of two of ``bench/step_overhead.py``'s models: mlp and logreg
 SIZES = [410_250, 2_350_335]
 
 
-class _Given(SecureStream):
-    """A stream whose uniforms were drawn beforehand: its ``normal`` runs the product's
-    Box–Muller code alone. (That code forms 1 − u in place, so from round to round the radii's
-    uniforms alternate between u and 1 − u; both are uniform, and the cost is the same.)"""
+class _Given(Keystream):
+    """A keystream drawn beforehand, chunk by chunk, for the ``n`` float32 draws of a step:
+    :meth:`SecureStream.normal` on it runs the product's Box–Muller code alone. Each call
+    gives a copy of the chunk's bytes, as the product gets new ones (the transform overwrites
+    its words)."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.drawn: list[torch.Tensor] = []
+    def __init__(self, n: int, key: bytes | None = None) -> None:
+        super().__init__(key)
+        self.drawn: list[np.ndarray] = []
         for start in range(0, n, 2 * CHUNK):
             half = (min(n - start, 2 * CHUNK) + 1) // 2
-            self.drawn += [super().uniform(half), super().uniform(half)]
+            self.drawn += [super().next(8 * half), super().next(4 * half)]  # radii, angles
         self.calls = 0
 
-    def uniform(self, n: int) -> torch.Tensor:
+    def next(self, nbytes: int) -> np.ndarray:
         drawn = self.drawn[self.calls % len(self.drawn)]
         self.calls += 1
-        assert len(drawn) == n, "the draws must come in the order they were made"
-        return drawn
+        assert len(drawn) == nbytes, "the draws must come in the order they were made"
+        return drawn.copy()
 
 
-def _uniforms(bit_generator: np.random.BitGenerator, n: int) -> Callable[[], object]:
-    generator = np.random.Generator(bit_generator)
-    return lambda: generator.random(n)
+def _raw(bit_generator: np.random.BitGenerator, nbytes: int) -> Callable[[], object]:
+    return lambda: bit_generator.random_raw(-(-nbytes // 8))
+
+
+def _randomgen_box_muller(n: int) -> Callable[[], object]:
+    """The product's draw before 2026-11-26: per chunk, the radii's 53-bit uniforms u₁ from
+    ``randomgen``'s AES-CTR, then the angles' u₂; r = √(−2 ln(1 − u₁)), θ = 2πu₂ in float32."""
+    generator, out = np.random.Generator(AESCounter()), torch.empty(n)
+
+    def draw() -> None:
+        for start in range(0, n, 2 * CHUNK):
+            part = out[start : start + 2 * CHUNK]
+            half = (len(part) + 1) // 2
+            v = torch.from_numpy(generator.random(half)).neg_().add_(1.0)
+            radius = v.float().log_().mul_(-2.0).sqrt_()
+            angle = torch.from_numpy(generator.random(half)).float().mul_(2 * math.pi)
+            torch.mul(radius, torch.cos(angle), out=part[:half])
+            part[half:] = radius.mul_(angle.sin_())[: len(part) - half]
+
+    return draw
 
 
 def rows(n: int) -> dict[str, Callable[[], object]]:
     out = torch.empty(n)
-    stream, given = SecureStream(), _Given(n)
+    stream, given = SecureStream(), SecureStream()
+    given.keystream = _Given(n)
+    nbytes = 12 * sum((min(n - start, 2 * CHUNK) + 1) // 2 for start in range(0, n, 2 * CHUNK))
+    keystream = Keystream()
     return {
         "product": lambda: stream.normal(n, out=out),
-        "aes_uniforms": _uniforms(AESCounter(), n),
+        "keystream": lambda: keystream.next(nbytes),
         "transform": lambda: given.normal(n, out=out),
-        "chacha20_uniforms": _uniforms(ChaCha(rounds=20), n),
-        "chacha8_uniforms": _uniforms(ChaCha(rounds=8), n),
-        "speck128_uniforms": _uniforms(SPECK128(), n),
+        "randomgen_aes": _raw(AESCounter(), nbytes),
+        "chacha20": _raw(ChaCha(rounds=20), nbytes),
+        "chacha8": _raw(ChaCha(rounds=8), nbytes),
+        "speck128": _raw(SPECK128(), nbytes),
+        "randomgen_box_muller": _randomgen_box_muller(n),
         "torch_randn": lambda: out.normal_(),
     }
 

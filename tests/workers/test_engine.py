@@ -10,6 +10,7 @@ from randomgen import AESCounter
 from torch import nn
 
 from core.config import ModelConfig
+from core.entropy import Keystream
 from core.sampling import num_steps, sample_rate
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
@@ -219,6 +220,7 @@ class SlowKeyed(SecureStream):
 
     def __init__(self, key: int) -> None:
         self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+        self.keystream = Keystream(key.to_bytes(16, "little"))
 
     def normal(self, shape, **kwargs):
         time.sleep(0.05)

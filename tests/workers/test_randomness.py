@@ -15,10 +15,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from randomgen import AESCounter
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from scipy import stats
 
 from core.config import TrialConfig
+from core.entropy import Keystream
 from workers.data import Dataset, hold_out
 from workers.dp import randomness
 from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
@@ -77,27 +78,59 @@ def test_streams_are_independent_and_not_reproducible() -> None:
     assert not torch.equal(one.sampling.uniform(8), one.holdout.uniform(8))
 
 
-def test_gradient_noise_is_standard_normal() -> None:
-    z = SecureStream().normal(200_000).double()
-    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
-    assert SecureStream().normal((3, 4), dtype=torch.float64).shape == (3, 4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_gradient_noise_is_standard_normal(dtype: torch.dtype) -> None:
+    z = SecureStream().normal(200_001, dtype=dtype)
+    assert z.dtype == dtype
+    if dtype != torch.bfloat16:  # its 8-bit significand fails the test on discreteness alone
+        assert stats.kstest(z.double().numpy(), "norm").pvalue > 1e-4
+    assert abs(z.double().std().item() - 1) < 0.01
+    assert SecureStream().normal((3, 4), dtype=dtype).shape == (3, 4)
 
 
-def test_gaussians_are_box_muller_of_the_streams_uniforms() -> None:
-    """Each chunk of noise is r·cos θ then r·sin θ, with r = √(−2 ln(1 − u₁)) and θ = 2πu₂ in
-    float32, from the stream's uniforms in their order: all the chunk's u₁, then its u₂."""
-    key = 2**127 + 12345
+@pytest.mark.parametrize("t", [2.0, 3.0, 4.0, 4.5])
+def test_gradient_noise_has_the_gaussian_tails(t: float) -> None:
+    """Kolmogorov–Smirnov sees the bulk; the tails are where DP's bound lives: P(|Z| > t) of
+    4·10⁶ draws against the closed form 2·Φ(−t), within 5 binomial standard deviations."""
+    n = 4_000_000
+    z = SecureStream().normal(n)
+    p = 2 * stats.norm.sf(t)
+    assert abs((z.abs() > t).sum().item() - n * p) < 5 * (n * p * (1 - p)) ** 0.5
+
+
+def _aes_blocks(key: bytes, nbytes: int) -> bytes:
+    """AES-CTR's keystream computed independently of OpenSSL's CTR mode: the block cipher
+    alone (ECB) on the big-endian counter blocks 0, 1, 2, …"""
+    blocks = -(-nbytes // 16)
+    ecb = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    return ecb.update(b"".join(i.to_bytes(16, "big") for i in range(blocks)))[:nbytes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gaussians_are_box_muller_of_the_keystream(dtype: torch.dtype) -> None:
+    """Each chunk of noise is r·cos θ then r·sin θ, r = √(−2 ln v) and θ = 2π·k·2⁻ᵇ, from the
+    keystream in its order, read as signed little-endian integers: the chunk's radii's 64-bit
+    words w (v = ((w >> 11) + 2⁵² + 1)·2⁻⁵³), then its angles' (k: the top b bits of 32-bit
+    words, b = 24, for float32 noise; of 64-bit words, b = 53, for float64)."""
+    key = bytes(range(16))
     pairs = randomness.CHUNK + 3  # a whole chunk, then a short one with an odd tail
     n = 2 * pairs - 1
     stream = SecureStream()
-    stream.numpy = np.random.Generator(AESCounter(key=key, counter=0))
-    z = stream.normal(n)
-    uniforms = np.random.Generator(AESCounter(key=key, counter=0))
-    expected = []
+    stream.keystream = Keystream(key)
+    z = stream.normal(n, dtype=dtype)
+    angle_bytes, bits = (4, 24) if dtype == torch.float32 else (8, 53)
+    words = np.frombuffer(_aes_blocks(key, (8 + angle_bytes) * pairs), dtype=np.uint8)
+    expected, start = [], 0
     for size in (randomness.CHUNK, pairs - randomness.CHUNK):
-        u1, u2 = uniforms.random(size), uniforms.random(size)
-        radius = torch.from_numpy(1.0 - u1).float().log().mul(-2.0).sqrt()
-        angle = torch.from_numpy(u2).float().mul(2 * np.pi)
+        w = words[start : start + 8 * size].view("<i8")
+        a = words[start + 8 * size : start + (8 + angle_bytes) * size].view(f"<i{angle_bytes}")
+        start += (8 + angle_bytes) * size
+        m = (w >> 11) + 2**52 + 1  # uniform on 1, …, 2⁵³
+        assert m.min() >= 1 and m.max() <= 2**53
+        v = m.astype(np.float64) * 2.0**-53  # exact
+        k = (a >> (8 * angle_bytes - bits)).astype(np.float64)  # exact: |k| ≤ 2ᵇ⁻¹
+        radius = torch.from_numpy(v).to(dtype).log().mul(-2.0).sqrt()
+        angle = torch.from_numpy(k).to(dtype) * (2 * np.pi * 2.0**-bits)
         expected += [radius * angle.cos(), radius * angle.sin()]
     expected[-1] = expected[-1][:-1]
     assert torch.equal(z, torch.cat(expected))
@@ -156,18 +189,37 @@ def test_hold_out_partitions_the_data() -> None:
     assert split.splits == {"train": "private", "val": "private"}
 
 
-def test_gaussian_tails_are_not_cut_at_float32_resolution() -> None:
+class Chosen(Keystream):
+    """Test double: a keystream that gives the bytes it was given, one piece a call."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = list(pieces)
+
+    def next(self, nbytes: int) -> np.ndarray:
+        piece = self.pieces.pop(0)
+        assert nbytes == len(piece)
+        return np.frombuffer(bytearray(piece), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("radius_word", "angle_word", "z"),
+    [
+        # words as unsigned: the most extreme v, 2⁻⁵³ (w = −2⁶³), at θ = 0 (k = 0): the largest
+        # radius √(−2 ln 2⁻⁵³) ≈ 8.57σ
+        (2**63, 0, (2 * 53 * np.log(2)) ** 0.5),
+        # v = 1 (w = 2⁶³ − 1): radius 0
+        (2**63 - 1, 2**31, 0.0),
+        # v = 2⁻¹ (w = −2¹¹) at θ = −π (k = −2²³)
+        (2**64 - 2**11, 2**31, -((2 * np.log(2)) ** 0.5)),
+    ],
+)
+def test_box_muller_reaches_the_tails_of_53_bit_uniforms(radius_word, angle_word, z) -> None:
     """The largest radius Box–Muller can produce is √(−2 ln 2⁻⁵³) ≈ 8.57σ with 53-bit uniforms
-    (6.66σ with 32-bit ones, a truncation the accountant does not price)."""
-
-    draws = [[1 - 2**-53], [0.0]]  # the most extreme uniforms: u₁, then u₂
-
-    class Extreme(SecureStream):  # test double
-        def uniform(self, n: int) -> torch.Tensor:
-            return torch.tensor(draws.pop(0), dtype=torch.float64)
-
-    (z, _) = Extreme().normal(2).tolist()
-    assert z == pytest.approx((2 * 53 * np.log(2)) ** 0.5, rel=1e-6)
+    (6.66σ with 32-bit ones, a truncation the accountant does not price); v is never 0."""
+    stream = SecureStream()
+    stream.keystream = Chosen(radius_word.to_bytes(8, "little"), angle_word.to_bytes(4, "little"))
+    (drawn,) = stream.normal(1).tolist()
+    assert drawn == pytest.approx(z, rel=1e-6, abs=1e-12)
 
 
 def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -> None:
@@ -178,10 +230,9 @@ def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -
             threads.append(threading.current_thread().name)
             return super().normal(shape, out=out)
 
-    key, out = 2**100 + 7, torch.empty(1000)
+    key, out = b"drawn ahead, too", torch.empty(1000)
     ahead, plain = Recording(), SecureStream()
-    ahead.numpy = np.random.Generator(AESCounter(key=key, counter=0))
-    plain.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+    ahead.keystream, plain.keystream = Keystream(key), Keystream(key)
     for _ in range(3):  # three steps of three trials: one thread for them all
         assert ahead.normal_ahead(out).result() is out
         assert torch.equal(out, plain.normal(1000))

@@ -9,6 +9,7 @@ from randomgen import AESCounter
 
 import workers.trial
 from core.config import TrialConfig
+from core.entropy import Keystream
 from workers.data import Dataset
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.trial import main, run_trial
@@ -164,6 +165,7 @@ class KeyedStream(SecureStream):
 
     def __init__(self, key: int) -> None:
         self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
+        self.keystream = Keystream(key.to_bytes(16, "little"))
 
 
 class Replay(TrialRandomness):

@@ -3,23 +3,26 @@
 Every draw a DP guarantee rests on — Poisson sampling, gradient noise, the noisy statistics of
 adaptive clipping rules, validation noise, the private hold-out, the candidates of a
 random-stopping job — comes from a :class:`SecureStream`: AES-128 in counter mode (the core of
-NIST SP 800-90A's CTR_DRBG; ``randomgen.AESCounter``, AES-NI where the CPU has it) keyed with
-128 bits from the operating system's entropy pool (:func:`core.entropy.secure_generator`, which
-the driver uses directly), one fresh key per stream, so streams are
-independent and nothing stored, chosen or seen by an analyst can reproduce them. There is no
-seeded mode.
+NIST SP 800-90A's CTR_DRBG, AES-NI where the CPU has it) keyed with 128 bits from the operating
+system's entropy pool, one fresh key per stream, so streams are independent and nothing
+stored, chosen or seen by an analyst can reproduce them. There is no seeded mode. A stream
+holds two such generators under independent keys (:mod:`core.entropy`): its Gaussian draws
+come from OpenSSL's AES-CTR keystream (:class:`core.entropy.Keystream`), the rest from a numpy
+``Generator`` over ``randomgen.AESCounter`` (:func:`core.entropy.secure_generator`, which the
+driver uses directly).
 
 Why not ``torch.Generator``: its CPU generator (mt19937) keeps only the low 32 bits of a
 seed, so one released noisy number lets an attacker search all 2³² seeds, recover the noise
 and subtract it. AES-CTR output reveals nothing about its key.
 
-Gaussian draws use the Box–Muller transform in torch on 53-bit uniforms (numpy's ziggurat on
-top of the same stream costs three times as much). In the radius √(−2 ln(1 − u)), 1 − u is
-formed exactly from a 53-bit u (its logarithm is then taken in float32, see ``_box_muller``),
-so the draws reach 8.57σ: a 32-bit uniform would cut the tails at 6.66σ, and a
-truncated Gaussian differs from the one the accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per
-draw — over 10⁹ draws (a million parameters, a thousand steps) more than a typical δ; at 8.57σ
-it is about 10⁻¹⁷ per draw.
+Gaussian draws use the Box–Muller transform in torch on keystream words (numpy's ziggurat on
+``randomgen``'s stream costs over twice as much: one call through the bit generator per draw).
+The radius √(−2 ln v) takes a 53-bit v in (0, 1] (:func:`radii`), so the draws reach 8.57σ: a
+32-bit uniform would cut the tails at 6.66σ, and a truncated Gaussian differs from the one the
+accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per draw — over 10⁹ draws (a million
+parameters, a thousand steps) more than a typical δ; at 8.57σ it is about 10⁻¹⁷ per draw. The
+angle takes as many bits as the output's significand holds, 24 for float32 noise
+(:func:`angles`): 12 bytes of keystream a pair, where two 53-bit uniforms took 16.
 
 On CUDA, copying host-generated noise for a large model every step would dominate the step, so
 Gaussian draws are made on the device by torch's Philox generator, re-keyed for every draw from
@@ -37,13 +40,16 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from core.entropy import secure_generator
+from core.entropy import Keystream, secure_generator
 
-#: Gaussian pairs drawn per chunk (two draws of 512 KiB of float64 uniforms)
+#: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
 CHUNK = 1 << 16
+#: the bytes of keystream an angle takes, by the noise's dtype (:func:`angles`)
+ANGLE_BYTES = {torch.float32: 4, torch.float64: 8}
 #: the process that owns it, and the thread that draws noise ahead in that process
 _noise_thread: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -53,6 +59,7 @@ class SecureStream:
 
     def __init__(self) -> None:
         self.numpy = secure_generator()
+        self.keystream = Keystream()  # Gaussian draws (:meth:`normal`)
 
     def uniform(self, n: int) -> Tensor:
         """``n`` uniforms on [0, 1) in float64 (multiples of 2⁻⁵³)."""
@@ -89,26 +96,26 @@ class SecureStream:
         return out
 
     def _box_muller(self, out: Tensor) -> Tensor:
-        """Fill the flat CPU tensor ``out`` with standard normals: pairs r·cos θ, r·sin θ with
-        r = √(−2 ln v), v = 1 − u₁ from a 53-bit u₁ (see the module docstring), and θ = 2πu₂,
-        in chunks of at most ``CHUNK`` pairs so the float64 transients stay small: the radii's
-        uniforms, then the angles' (the order the stream has always given them in), each freed
-        once converted, with 1 − u₁ formed in place.
-
-        v is exact in float64 and, cast to float32 (or ``out``'s dtype if wider), keeps its
-        full range: the smallest v = 2⁻⁵³ is a power of two, so the tail still reaches 8.57σ,
-        and elsewhere v is rounded by at most 2⁻²⁴ relative, moving r by about 10⁻⁷ relative.
-        The logarithm is then taken in float32, half the cost of float64's."""
-        work = torch.promote_types(out.dtype, torch.float32)
+        """Fill the flat CPU tensor ``out`` with standard normals, in chunks of at most
+        ``CHUNK`` pairs: r·cos θ for the chunk's first half, r·sin θ for its second. Each pair
+        takes 8 bytes of keystream for its radius, then (after the chunk's radii) 4 for its
+        angle, 8 when ``out`` is float64 (:func:`radii`, :func:`angles`). The radii are formed
+        in ``out`` itself and each chunk's words are freed once converted, so a chunk holds at
+        most its angles, their words or cosines, and its radii's words, one at a time."""
+        if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
+            return out.copy_(self._box_muller(torch.empty(len(out))))
+        angle_bytes = ANGLE_BYTES[out.dtype]
         for start in range(0, len(out), 2 * CHUNK):
             part = out[start : start + 2 * CHUNK]
             half = (len(part) + 1) // 2  # pairs: an odd tail drops its last sine
-            v = self.uniform(half).neg_().add_(1.0)  # exact: u₁ is a multiple of 2⁻⁵³ below 1
-            radius = v.to(work).log_().mul_(-2.0).sqrt_()
-            del v
-            angle = self.uniform(half).to(work).mul_(2 * math.pi)
-            torch.mul(radius, torch.cos(angle), out=part[:half])
-            part[half:] = radius.mul_(angle.sin_())[: len(part) - half]
+            radius, sine = part[:half], part[half:]
+            radii(torch.from_numpy(self.keystream.next(8 * half).view(np.int64)), out=radius)
+            words = self.keystream.next(angle_bytes * half).view(f"i{angle_bytes}")
+            angle = angles(torch.from_numpy(words), out.dtype)
+            del words  # the angles' words, freed before the cosines are made
+            cosine = torch.cos(angle)
+            torch.sin(angle[: len(sine)], out=sine).mul_(radius[: len(sine)])
+            radius.mul_(cosine)
         return out
 
     def normal_ahead(self, out: Tensor) -> Future[Tensor]:
@@ -126,6 +133,28 @@ class SecureStream:
         generator.manual_seed(self.integers(2**63))
         generator.set_offset(4 * self.integers(2**61))  # Philox offsets advance in fours
         return generator
+
+
+def radii(words: Tensor, *, out: Tensor) -> Tensor:
+    """Box–Muller radii r = √(−2 ln v) from 64-bit keystream words (overwritten), into ``out``
+    (float32 or float64).
+
+    v = m·2⁻⁵³ with m = (w >> 11) + 2⁵² + 1, uniform on 1, …, 2⁵³: 53 bits, v in (0, 1]
+    exactly, so the tail reaches √(−2 ln 2⁻⁵³) ≈ 8.57σ (a 32-bit v would cut it at 6.66σ: see
+    the module docstring). v is rounded to ``out``'s dtype once (float32: by at most 2⁻²⁴
+    relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact) and its
+    logarithm taken in that dtype, half float64's cost in float32."""
+    m = words.bitwise_right_shift_(11).add_(2**52 + 1)
+    return out.copy_(m).mul_(2.0**-53).log_().mul_(-2.0).sqrt_()
+
+
+def angles(words: Tensor, dtype: torch.dtype) -> Tensor:
+    """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), k their
+    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: b = 24 from 32-bit words
+    (a float32 significand, so k is exact in float32) and b = 53 from 64-bit ones (float64)."""
+    bits = 24 if words.element_size() == 4 else 53
+    k = words.bitwise_right_shift_(8 * words.element_size() - bits)
+    return k.to(dtype).mul_(2 * math.pi * 2.0**-bits)
 
 
 def _drawing_thread() -> ThreadPoolExecutor:
