@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from dp_accounting import dp_event
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from core.accounting import checks
 from core.accounting.charges import Charge, trial_rdp
+from core.accounting.library import dp_event
 from core.accounting.rdp import epsilon_from_rdp, gaussian_rdp
 from core.accounting.tuning import (
     LiuTalwarBound,

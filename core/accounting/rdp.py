@@ -18,10 +18,9 @@ import logging
 import math
 
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from core.accounting import checks
+from core.accounting.library import dp_event, rdp_lib
 
 ORDERS: np.ndarray = np.array(rdp_lib.DEFAULT_RDP_ORDERS, dtype=np.float64)
 ORDERS.setflags(write=False)
