@@ -3,12 +3,20 @@
 Runs real jobs through the product's path — a Ray head started with ``ray start`` (token
 auth on, 2 CPUs), ``dptune serve`` against it, a dataset registered and a job POSTed over
 HTTP — and reads back what each trial reported to Ray Tune (its ``timings``, from the Tune
-results under the data dir; ``runner.trainable``). Two jobs of 10 trials each, one trial at a
-time (each reserves both CPUs): short trials (logistic regression on digits, about a second
-of training on an idle machine) and long ones (an MLP on digits, 12 epochs: 20–30 s on the
-reference machine; ``--quick``: 3 epochs). ``--compare`` runs every job twice: with trial
-processes reused (the default) and with ``DPTUNE_REUSE_TRIAL_PROCESSES=0`` (a fresh Ray
-worker process per trial, as before); ``--jobs short`` or ``--jobs long`` runs one of them.
+results under the data dir; ``runner.trainable``). Three jobs of 10 trials each, one trial at
+a time (each reserves both CPUs): short trials (logistic regression on digits, 1 epoch: a few
+hundredths of a second of training each), medium ones (an MLP on digits, 16 epochs: about 1.5 s
+each, the trials of the README's walk-through job) and long ones (the MLP, 12 epochs: 20–30 s
+on the loaded reference machine; ``--long-epochs 160`` to 430 makes them the 30-second trials
+of issue 15; ``--quick``: 3 epochs). ``--compare`` runs every job twice: with trial processes
+reused (the default) and with ``DPTUNE_REUSE_TRIAL_PROCESSES=0`` (a fresh Ray worker process
+per trial, as before); ``--jobs`` picks among ``short,medium,long``.
+
+Before the measured jobs, a one-trial job of another shape runs unmeasured (``--cold``: not),
+so that they meet a service and a cluster that have run a job before, as in steady use: the
+first job on a fresh Ray head pays 0.7 s more for its submission (the Jobs API's first), and
+one on a fresh service plans its shape afresh (0.7 s) — the measured jobs still do, as a new
+shape would.
 
 Columns: ``wall`` from the POST to the job's end (released); ``train`` the sum of the trials'
 training loops (``run_trial``: steps, epoch metrics and their progress calls); ``ratio``
@@ -53,6 +61,8 @@ OPERATOR_KEY = "dpt_bench-operator-key-0123456789"
 HEADERS = {"Authorization": f"Bearer {OPERATOR_KEY}"}
 #: epochs of the long trials' MLP on digits: 20–30 s of training on the loaded reference machine
 LONG_EPOCHS = 12
+#: epochs of the medium trials' MLP: about 1.5 s of training, as the README's walk-through job
+MEDIUM_EPOCHS = 16
 
 
 def job_spec(
@@ -62,6 +72,7 @@ def job_spec(
     trials: int = 10,
     resources: dict[str, float] | None = None,
     batch_size: int = 64,
+    epsilon: float = 40.0,
 ) -> dict[str, Any]:
     """``trials`` trials (a grid of learning rates), public validation; by default one at a
     time (each reserves both CPUs)."""
@@ -77,7 +88,7 @@ def job_spec(
             "optimizer.lr": {"grid": [round(0.05 * (i + 1), 3) for i in range(trials)]}
         },
         "resources": resources or {"cpu": 2},
-        "privacy": {"epsilon": 40.0, "accounting": "rdp"},
+        "privacy": {"epsilon": epsilon, "accounting": "rdp"},
     }
 
 
@@ -221,8 +232,10 @@ def main() -> int:
         default=LONG_EPOCHS,
         help="epochs of the long trials (160: about 30 s each on an idle 2-core machine)",
     )
+    parser.add_argument("--medium-epochs", type=int, default=MEDIUM_EPOCHS)
     parser.add_argument("--compare", action="store_true", help="also without process reuse")
-    parser.add_argument("--jobs", default="short,long", help="which jobs: short, long or both")
+    parser.add_argument("--jobs", default="short,medium,long", help="which of short,medium,long")
+    parser.add_argument("--cold", action="store_true", help="no unmeasured job first")
     parser.add_argument("--json", type=Path, help="write the numbers here")
     args = parser.parse_args()
     epochs = args.long_epochs // 4 if args.quick else args.long_epochs
@@ -230,6 +243,7 @@ def main() -> int:
         name: job
         for name, job in [
             ("short (logreg, 1 epoch)", ("logreg", 1)),
+            (f"medium (mlp, {args.medium_epochs} epochs)", ("mlp", args.medium_epochs)),
             (f"long (mlp, {epochs} epochs)", ("mlp", epochs)),
         ]
         if name.split()[0] in args.jobs.split(",")
@@ -255,8 +269,11 @@ def main() -> int:
                         },
                     )
                     r.raise_for_status()
+                    if not args.cold:  # one trial of its own shape: its plan is not reused
+                        warm_up = job_spec(r.json()["id"], "logreg", 1, 1, batch_size=32, epsilon=1)
+                        run_job(client, warm_up, timeout=600)
                     for name, (model, epochs) in jobs.items():
-                        spec = job_spec(r.json()["id"], model, epochs)
+                        spec = job_spec(r.json()["id"], model, epochs, epsilon=25)
                         job_id, posted = run_job(client, spec, timeout=1800)
                         ended = time.time()
                         rows = trial_timings(data_dir, job_id)
