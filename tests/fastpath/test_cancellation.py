@@ -122,3 +122,15 @@ def test_no_example_contributes_more_than_its_bound(
         if got > worst:
             worst, worst_i = got, i
     assert worst <= R * (1 + 1e-6), f"candidate {worst_i} contributes {worst:.4g} > R = {R}"
+
+
+def test_embedding_norms_keep_the_guard_where_float64_rows_lose_terms() -> None:
+    """Three positions of one id with output gradients M, η, −M (M = 2¹⁰⁰, η = 2⁴⁰): float64
+    adds M + η to M, so the row comes out 0 though the gradient is η; what a sum formed in
+    another order would add is bounded only through the guard κ·S², S = Σ_t ‖g_t‖ ≥ 2M."""
+    from workers.dp.ghost.layers import RULES, Call
+
+    module = nn.Embedding(3, 1)
+    g = torch.tensor([[[2.0**100], [2.0**40], [-(2.0**100)]]])
+    (norm,) = RULES[nn.Embedding].weight_sq_norms(module, [Call(torch.ones(1, 3).long(), g)])
+    assert norm >= 1e-14 * (2 * 2.0**100) ** 2  # far above η² = 2⁸⁰, the exact squared norm
