@@ -36,6 +36,13 @@ included (about this table's measure until 2026-11-25, which also counted the mo
 construction). The timed steps then run with glibc's usual heap reuse: after a warm-up of
 ``--seconds``/2, step time is the median of at least ``--steps`` steps, more until
 ``--seconds`` have passed (the median shrugs off the stalls of a shared machine).
+
+Time ratios in the table come from one more process per model, batch and style in which every
+column that ran is built and the columns take turns (``interleaved``): on a shared machine,
+columns measured minutes apart in their own processes moved by up to 30 % from run to run,
+while turns of a few steps each meet the same machine. ``--separate`` skips that run; the table
+then divides the columns' own medians, which the JSON keeps either way (``time_s``; the
+interleaved ratio is ``time_ratio``).
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
 }
 # Columns that hold every per-sample gradient at once (B x #params floats).
 MATERIALIZING = {"general", "opacus_hooks"}
+# Steps of a column in a row when columns take turns (``interleaved``); the first is not timed.
+ROUND_STEPS = 3
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Result:
     style: str = "all_layer"  # clipping style of a DP column (non-private: none applies)
     code_mb: float | None = None  # CPU: shared-library pages the first four steps mapped
     first_peak_mb: float | None = None  # steps 1-4, code pages included
+    time_ratio: float | None = None  # to the non-private step, columns taking turns
 
 
 # ------------------------------------------------------------------ one run (in a subprocess)
@@ -170,7 +180,16 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         noise=TorchNoise() if method == "fast_torchrng" else SecureStream(),
         draw_ahead=method != "fast_inline" and spare_core(),
     )
-    return lambda: private.step([(x, y)], 0)
+
+    def dp_step() -> None:
+        private.step([(x, y)], 0)
+
+    def settle() -> None:  # the draw made ahead for the next step, done (interleaved timing)
+        if private.ahead is not None:
+            private.ahead.result()
+
+    dp_step.settle = settle  # type: ignore[attr-defined]
+    return dp_step
 
 
 def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
@@ -292,6 +311,63 @@ def run_one(
     return Result(model_name, batch, method, "ok", median, style=style, **asdict(memory))
 
 
+def interleaved(
+    model_name: str,
+    batch: int,
+    methods: list[str],
+    device: str,
+    seconds: float,
+    style: str,
+    threads: int | None,
+) -> dict[str, dict[str, float]]:
+    """Time ratios to the non-private step with every column built in this one process and
+    run in turn, so that all of them meet the same machine: rounds of ``ROUND_STEPS`` steps
+    of each column (in an order that rotates every round), timing all but each run's first
+    step (which follows another column's steps: cold caches, and for a column that draws its
+    noise ahead, a draw that had the other columns' time to finish), until ``seconds`` per
+    column have passed. A column that draws ahead has its last draw finished, untimed, before
+    the next column runs. Each column's ratio is the median over the rounds of its median
+    step over the round's non-private median step."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    _start_runtime(device)
+    steps = {m: _build_step(model_name, batch, m, device, style) for m in methods}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[list[float]]] = {m: [] for m in methods}
+    spent = {m: 0.0 for m in methods}
+    for step in steps.values():  # warm-up: first-use set-up, the conv chooser's trials
+        for _ in range(ROUND_STEPS + 1):
+            step()
+        getattr(step, "settle", lambda: None)()
+    order = list(methods)
+    while min(spent.values()) < seconds or len(times[methods[0]]) < 3:
+        for method in order:
+            step, run = steps[method], []
+            for i in range(ROUND_STEPS):
+                start = time.perf_counter()
+                step()
+                sync()
+                if i:
+                    run.append(time.perf_counter() - start)
+            getattr(step, "settle", lambda: None)()
+            times[method].append(run)
+            spent[method] += sum(run)
+        order = order[1:] + order[:1]
+    base = [statistics.median(run) for run in times["nonprivate"]]
+    return {
+        m: {
+            "time_s": statistics.median(x for run in times[m] for x in run),
+            "ratio": statistics.median(
+                statistics.median(run) / b for run, b in zip(times[m], base, strict=True)
+            ),
+            "rounds": len(times[m]),
+        }
+        for m in methods
+    }
+
+
 # ------------------------------------------------------------------ driver
 def _param_count(model_name: str) -> int:
     import torch
@@ -338,6 +414,45 @@ def _spawn(
     return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def _spawn_interleaved(
+    model_name: str, batch: int, methods: list[str], style: str, args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """``interleaved`` in a fresh subprocess; {} if it fails (the table then shows the
+    columns' separate medians)."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--interleave",
+        model_name,
+        str(batch),
+        "--methods",
+        *methods,
+        "--device",
+        args.device,
+        "--seconds",
+        str(args.seconds),
+        "--style",
+        style,
+        *(["--threads", str(args.threads)] if args.threads else []),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout * len(methods),
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {}
+    if done.returncode != 0:
+        print(f"interleaved {model_name} B={batch}: {done.stderr[-300:]}", file=sys.stderr)
+        return {}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x" if value is not None and base else "-"
 
@@ -370,10 +485,12 @@ def table(results: list[Result], methods: list[str]) -> str:
                 if r is not None:
                     notes.append(f"{model_name} B={batch} {style} {method}: {r.status}")
                 continue
-            cells.append(
-                f"{_ratio(r.time_s, base and base.time_s)} / "
-                f"{_ratio(r.peak_mb, base and base.peak_mb)}"
+            time_ratio = (
+                f"{r.time_ratio:.2f}x"
+                if r.time_ratio is not None
+                else _ratio(r.time_s, base and base.time_s)
             )
+            cells.append(f"{time_ratio} / {_ratio(r.peak_mb, base and base.peak_mb)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else []))
 
@@ -412,8 +529,14 @@ def main(argv: list[str] | None = None) -> None:
         help="skip columns holding all per-sample gradients above this size",
     )
     parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="time ratios from each column's own process only (no interleaved run)",
+    )
+    parser.add_argument(
         "--one", nargs=3, metavar=("MODEL", "BATCH", "METHOD"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--interleave", nargs=2, metavar=("MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:
         import torch
@@ -422,6 +545,19 @@ def main(argv: list[str] | None = None) -> None:
     args.seconds = args.seconds if args.seconds is not None else (0.3 if args.quick else 3.0)
     if args.quick and args.threads is None:
         args.threads = 1
+    if args.interleave:
+        model_name, batch = args.interleave
+        ratios = interleaved(
+            model_name,
+            int(batch),
+            args.methods,
+            args.device,
+            args.seconds,
+            args.style[0],
+            args.threads,
+        )
+        print(json.dumps(ratios))
+        return
     if args.one:
         model_name, batch, method = args.one
         result = run_one(
@@ -465,9 +601,36 @@ def main(argv: list[str] | None = None) -> None:
                     file=sys.stderr,
                 )
                 results.append(result)
+            if args.separate:
+                continue
+            for style in args.style:
+                timed = ["nonprivate"] + [
+                    r.method
+                    for r in results
+                    if (r.model, r.batch, r.style) == (model_name, batch, style)
+                    and r.method != "nonprivate"
+                    and r.status == "ok"
+                ]
+                if len(timed) < 2:
+                    continue
+                ratios = _spawn_interleaved(model_name, batch, timed, style, args)
+                for r in results:
+                    same_row = r.method == "nonprivate" or r.style == style
+                    if (r.model, r.batch) == (model_name, batch) and same_row:
+                        r.time_ratio = ratios.get(r.method, {}).get("ratio", r.time_ratio)
+                print(
+                    f"{model_name:12s} B={batch:<4d} interleaved {style:10s} "
+                    + " ".join(f"{m}={v['ratio']:.3f}" for m, v in ratios.items()),
+                    file=sys.stderr,
+                )
     print(
-        f"device: {args.device}; threads: {args.threads or 'default'}; "
-        f"time = median of >= {args.steps} steps after warm-up\n"
+        f"device: {args.device}; threads: {args.threads or 'default'}; time: "
+        + (
+            f"median of >= {args.steps} steps after warm-up, each column in its own process"
+            if args.separate
+            else "columns taking turns in one process, median over rounds of the ratio"
+        )
+        + "\n"
     )
     print(table(results, methods))
     if args.json:

@@ -29,6 +29,11 @@ def test_quick_benchmark(tmp_path: Path) -> None:
     assert {r["method"] for r in rows} == {"nonprivate", *METHODS}
     assert all(r["model"] == "mlp" and r["time_s"] > 0 and r["peak_mb"] > 0 for r in rows)
     assert all(r["code_mb"] >= 0 and r["first_peak_mb"] > 0 for r in rows)
+    # time ratios from the columns taking turns in one process; the table shows them
+    ratios = {r["method"]: r["time_ratio"] for r in rows}
+    assert ratios["nonprivate"] == 1.0 and all(v > 0 for v in ratios.values())
+    fast = next(line for line in done.stdout.splitlines() if line.startswith("| mlp"))
+    assert f"{ratios['fast']:.2f}x / " in fast
 
 
 LIBRARY_MB, TRANSIENT_MB = 8, 16
