@@ -27,9 +27,10 @@ from randomgen import AESCounter
 
 #: AES's block: OpenSSL may write up to a block beyond what one call returns
 BLOCK = 16
-#: what a keystream encrypts, a piece at a time: zeros, small enough to stay in cache and add
-#: nothing to a process's memory (a piece's call costs about 1 µs, its encryption 7 µs)
-ZEROS = bytes(1 << 16)
+#: what a keystream encrypts: zeros, shared by the process's keystreams and grown on demand.
+#: Its pages are never written, so reading them maps the kernel's one zero page: they add
+#: nothing to the process's resident memory.
+_zeros = b""
 
 
 def secure_generator() -> np.random.Generator:
@@ -56,11 +57,11 @@ class Keystream:
         """The stream's next ``nbytes`` bytes, in a new array (nothing is held between draws:
         a step's peak memory reuses what its noise draw freed); its start is aligned for
         8-byte words (malloc's 16), so wider words view it in place."""
+        global _zeros
+        if len(_zeros) < nbytes:
+            _zeros = bytes(nbytes)
         array = np.empty(nbytes + BLOCK, dtype=np.uint8)
-        buffer, zeros = array.data, memoryview(ZEROS)
-        for start in range(0, nbytes, len(ZEROS)):
-            piece = min(len(ZEROS), nbytes - start)
-            written = self._cipher.update_into(zeros[:piece], buffer[start:])
-            if written != piece:  # CTR is a stream mode: every byte in gives one out
-                raise RuntimeError(f"AES-CTR gave {written} bytes of {piece}")
+        written = self._cipher.update_into(memoryview(_zeros)[:nbytes], array.data)
+        if written != nbytes:  # CTR is a stream mode: every byte in gives one out
+            raise RuntimeError(f"AES-CTR gave {written} bytes of {nbytes}")
         return array[:nbytes]
