@@ -381,16 +381,16 @@ def _param_count(model_name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _spawn(
-    model_name: str, batch: int, method: str, style: str, args: argparse.Namespace
-) -> Result:
+def _run_self(
+    what: list[str], style: str, args: argparse.Namespace, timeout: float
+) -> subprocess.CompletedProcess[str] | None:
+    """This script in a fresh subprocess, measuring ``what`` (``--one …`` or ``--interleave
+    …``) with the run's device, time budget, clipping style and threads; None past
+    ``timeout`` seconds."""
     cmd = [
         sys.executable,
         __file__,
-        "--one",
-        model_name,
-        str(batch),
-        method,
+        *what,
         "--device",
         args.device,
         "--steps",
@@ -403,10 +403,18 @@ def _spawn(
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
         )
     except subprocess.TimeoutExpired:
+        return None
+
+
+def _spawn(
+    model_name: str, batch: int, method: str, style: str, args: argparse.Namespace
+) -> Result:
+    done = _run_self(["--one", model_name, str(batch), method], style, args, args.timeout)
+    if done is None:
         return Result(model_name, batch, method, f"timeout > {args.timeout} s", style=style)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
@@ -419,36 +427,11 @@ def _spawn_interleaved(
 ) -> dict[str, dict[str, float]]:
     """``interleaved`` in a fresh subprocess; {} if it fails (the table then shows the
     columns' separate medians)."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--interleave",
-        model_name,
-        str(batch),
-        "--methods",
-        *methods,
-        "--device",
-        args.device,
-        "--seconds",
-        str(args.seconds),
-        "--style",
-        style,
-        *(["--threads", str(args.threads)] if args.threads else []),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        done = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout * len(methods),
-            env=env,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {}
-    if done.returncode != 0:
-        print(f"interleaved {model_name} B={batch}: {done.stderr[-300:]}", file=sys.stderr)
+    what = ["--interleave", model_name, str(batch), "--methods", *methods]
+    done = _run_self(what, style, args, args.timeout * len(methods))
+    if done is None or done.returncode != 0:
+        why = "timeout" if done is None else done.stderr[-300:]
+        print(f"interleaved {model_name} B={batch}: {why}", file=sys.stderr)
         return {}
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
