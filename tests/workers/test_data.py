@@ -175,3 +175,18 @@ def test_unreadable_files_are_refused(tmp_path, kind):
     _table(0).to_csv(tmp_path / "empty.csv", index=False)  # a header and no rows
     with pytest.raises(ValueError, match=r"no examples"):
         load(f"csv:{tmp_path / 'empty.csv'}", 3, label="label")
+
+
+def test_digits_are_scikit_learns_digits() -> None:
+    """``builtin:digits`` reads scikit-learn's shipped CSV itself (no import of its datasets
+    module): the same 1797 images and labels as ``load_digits``, split 80/20 as before."""
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    d = load_dataset(DatasetConfig(source="builtin:digits"))
+    x = torch.cat([d.x, d.x_val]).double().flatten(1) * 16
+    y = torch.cat([d.y, d.y_val])
+    assert (d.size, len(d.y_val), d.num_classes) == (1438, 359, 10)
+    got = sorted(zip(x.round().long().tolist(), y.tolist(), strict=True))
+    expected = sorted(zip(raw.data.astype(int).tolist(), raw.target.tolist(), strict=True))
+    assert got == expected
