@@ -401,8 +401,8 @@ class ConvRule(LayerRule):
         unfolds the patches, k/stride² times the input, in float64 twice (norm, sum). On
         resnet18 (its three 128-channel 3×3 convolutions after the first) this took 27–32 % off
         the step at B = 64 and 10–14 % at B = 256, for 9–21 % more peak memory under all-layer
-        clipping and 9 % less under layer-wise clipping at B = 64 (README, "Kept per-sample
-        gradients for every convolution where instantiating is cheaper")."""
+        clipping and 9 % less under layer-wise clipping at B = 64 (docs/speed-history.md, "Kept
+        per-sample gradients for every convolution where instantiating is cheaper")."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         return not self._ghost_cheaper(module, math.prod(output_shape[2:]))
 
