@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from types import ModuleType
 
 
@@ -31,6 +32,7 @@ def _package_without_init(name: str) -> ModuleType:
     if spec is None or spec.loader is None or spec.submodule_search_locations is None:
         raise ModuleNotFoundError(f"no package {name}", name=name)
     package, loader = importlib.util.module_from_spec(spec), spec.loader
+    completing = threading.Lock()  # threads asking at once: the __init__ runs once
 
     def attribute(key: str) -> object:
         try:
@@ -38,8 +40,10 @@ def _package_without_init(name: str) -> ModuleType:
         except ModuleNotFoundError as error:
             if error.name != f"{name}.{key}":
                 raise
-        delattr(package, "__getattr__")
-        loader.exec_module(package)
+        with completing:
+            if "__getattr__" in vars(package):  # still until the __init__ has run
+                loader.exec_module(package)
+                delattr(package, "__getattr__")
         return getattr(package, key)
 
     setattr(package, "__getattr__", attribute)  # noqa: B010  (a module's own __getattr__)

@@ -79,3 +79,22 @@ def test_a_package_imported_before_is_used_as_it_is() -> None:
         "print(json.dumps({'same': again is dp_accounting and dp_event.DpEvent is whole}))"
     )
     assert got == {"same": True}
+
+
+def test_threads_asking_at_once_all_get_the_whole_package() -> None:
+    got = fresh(
+        "import json, threading\n"
+        "import core.accounting\n"
+        "import dp_accounting\n"
+        "start, names, errors = threading.Barrier(8), [], []\n"
+        "def ask():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        names.append(dp_accounting.NeighboringRelation.__name__)\n"
+        "    except Exception as error:\n"
+        "        errors.append(repr(error))\n"
+        "threads = [threading.Thread(target=ask) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(json.dumps({'names': names, 'errors': errors}))"
+    )
+    assert got == {"names": ["NeighboringRelation"] * 8, "errors": []}
