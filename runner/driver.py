@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray import tune
 from ray.tune import CLIReporter
+from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
 from core.accounting import tuning_method
 from core.config import DatasetConfig, ModelConfig
@@ -114,6 +115,11 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     # Tune's default reporter ignores ``progress_reporter`` and picks its columns itself (the
     # first four metrics reported); this switch selects the reporter that shows those asked for
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    # Tune adds a TensorBoard logger unless told not to, and tensorboardX imports torch: 1.2-1.4 s
+    # of every job's start, before its first trial process is asked for. Nothing reads its
+    # event files; the JSON and CSV results (each trial's ``result.json``) are kept.
+    os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
+    loggers = [JsonLoggerCallback(), CSVLoggerCallback()]
     trials = TrialLog()
     tuner = tune.Tuner(
         tune.with_resources(
@@ -126,7 +132,7 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
             name=f"dptune-job-{ctx.job_id}" + ("-proxy" if proxy else ""),
             storage_path=str(ctx.data_dir / "ray_results"),
             failure_config=tune.FailureConfig(max_failures=retries),
-            callbacks=[trials] if proxy else [AttemptRecorder(ctx), trials],
+            callbacks=[*loggers, trials] if proxy else [*loggers, AttemptRecorder(ctx), trials],
             progress_reporter=progress_reporter(ctx),
             verbose=1,
         ),

@@ -34,6 +34,8 @@ def test_a_jobs_trials_share_processes_that_read_the_data_once(service, digits, 
 
     results = tune_results(data_dir, job["id"])
     assert len(results) == 6
+    # no TensorBoard logger in the driver: tensorboardX imports torch, seconds of the job's start
+    assert not list((data_dir / "ray_results" / f"dptune-job-{job['id']}").glob("*/events.*"))
     by_process: dict[int, list[dict[str, float]]] = defaultdict(list)
     for result in results:
         by_process[result["pid"]].append(result["timings"])
