@@ -114,6 +114,16 @@ def test_orders_where_the_series_fails_are_capped_by_the_gaussian() -> None:
     assert curve[0] >= 10 * renyi_by_quadrature(0.3, 4.0, 1.1)
 
 
+def test_a_curve_is_the_callers_own() -> None:
+    """One step's curve is memoized (each trial's ε at its end took 30–50 ms); what a caller
+    gets is its own array, so writing to it changes no later curve of the same (q, σ)."""
+    first = rdp_curve(0.02, 1.3, 1)
+    expected = first.copy()
+    first *= 0.0
+    assert rdp_curve(0.02, 1.3, 1) == pytest.approx(expected)
+    assert rdp_curve(0.02, 1.3, 3) == pytest.approx(3 * expected)
+
+
 def test_composition_adds_curves() -> None:
     a, b = rdp_curve(0.01, 1.0, 300), rdp_curve(0.01, 1.0, 700)
     assert compose(a, b) == pytest.approx(rdp_curve(0.01, 1.0, 1000))
