@@ -67,7 +67,7 @@ def _step_curve(q: float, sigma: float) -> np.ndarray:
     30–50 ms, which each trial paid again as it ended (for its ε), though a job's trials of
     one shape share q and σ: a third of the gap between two trials in one process."""
     step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
-    curve = np.minimum(_accountant_curve(step), gaussian_rdp(sigma))
+    curve: np.ndarray = np.minimum(_accountant_curve(step), gaussian_rdp(sigma))
     curve.setflags(write=False)
     return curve
 
