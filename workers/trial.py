@@ -194,7 +194,7 @@ def run_trial(
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     engine = build_engine(cfg, model, privacy, randomness)
 
-    thresholds, metrics = [], []
+    thresholds, metrics, epoch = [], [], 0
     train_started_at, train_start = time.time(), time.perf_counter()
     batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, randomness.sampling)
     for t, indices in enumerate(batches):
@@ -205,9 +205,11 @@ def run_trial(
         thresholds.append(engine.step(chunks, t).threshold)
         if on_step:
             on_step(t + 1, privacy.steps)
-        epoch = int((t + 1) * privacy.sample_rate + 1e-9)
-        if epoch > int(t * privacy.sample_rate + 1e-9) or t + 1 == privacy.steps:
-            rows = _epoch_metrics(model, data, max(epoch, 1))
+        # rows at each epoch's end; a partial last one (2.99 epochs of rounded steps) is one more
+        ended = int((t + 1) * privacy.sample_rate + 1e-9)
+        if ended > epoch or t + 1 == privacy.steps:
+            epoch = max(ended, epoch + 1)
+            rows = _epoch_metrics(model, data, epoch)
             metrics += rows
             if on_epoch:
                 on_epoch(rows)
