@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 import httpx
 
 log = logging.getLogger("dptune.control")
+
+#: an attempt's progress goes to the control plane at most this often (s); see :class:`Progress`
+PROGRESS_EVERY_S = 1.0
 
 #: answers of a proxy in front of a control plane that is restarting
 _UNAVAILABLE = {
@@ -132,3 +136,33 @@ class ControlPlane:
         """Settle the job; what it was charged: ε of its charges composed, at its δ."""
         charged = self._call("POST", "/end", json={"state": state, "error": error}).json()
         return float(charged["epsilon"]), float(charged["delta"])
+
+
+class Progress:
+    """An attempt's progress for the control plane, batched: epochs' metric rows are sent with
+    the steps run so far at the first epoch, then at most every ``every_s`` seconds, and what
+    is left by :meth:`flush` before the attempt ends. Each call is a write the control plane
+    commits (10–13 ms on the 2-core reference machine): one an epoch took 12–15 % of a
+    16-epoch trial of about 1.2 s (the README walk-through's)."""
+
+    def __init__(self, api: ControlPlane, attempt: int, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.api, self.attempt, self.every_s = api, attempt, every_s
+        self.rows: list[dict[str, Any]] = []
+        self.steps = 0
+        self.sent_at = -math.inf
+
+    def add(self, steps: int, rows: list[dict[str, Any]]) -> bool:
+        """Record an epoch's rows; whether they were sent now (with any held back)."""
+        self.steps = steps
+        self.rows += rows
+        if time.monotonic() - self.sent_at < self.every_s:
+            return False
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Send the rows held back, if any (once: rows whose call failed are not sent again)."""
+        rows, self.rows = self.rows, []
+        self.sent_at = time.monotonic()
+        if rows:
+            self.api.progress(self.attempt, self.steps, rows)

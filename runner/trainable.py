@@ -8,6 +8,7 @@ dataset (docs/design.md, invariant 2–3).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ import torch
 from ray import tune
 from safetensors.torch import save_file
 
-from runner.client import AttemptRefused
+from runner.client import AttemptRefused, Progress
 from runner.job import JobContext, trial_config, trial_index
 from runner.search import random_candidate
 from workers.trial import run_trial
@@ -60,20 +61,24 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         nonlocal steps_run
         steps_run = t
 
+    progress = Progress(api, attempt)
+
     def on_epoch(rows: list[dict[str, Any]]) -> None:
-        api.progress(
-            attempt, steps_run, [{**r, "public": r["visibility"] == "public"} for r in rows]
-        )
-        tune.report({"steps": steps_run, **shown, **{r["name"]: r["value"] for r in rows}})
+        # Tune's reports (each waits for the driver) go with the control plane's, as often
+        if progress.add(steps_run, [{**r, "public": r["visibility"] == "public"} for r in rows]):
+            tune.report({"steps": steps_run, **shown, **{r["name"]: r["value"] for r in rows}})
 
     try:
         outcome = run_trial(
             trial_config(ctx, params), on_step=on_step, on_epoch=on_epoch, data_dir=ctx.data_dir
         )
     except BaseException as error:
+        with contextlib.suppress(Exception):  # the rows held back, if the control plane answers
+            progress.flush()
         api.finish(attempt, "failed", steps_run)
         log.error("trial %d failed: %s", index, error)
         raise
+    progress.flush()
     result = outcome.result
     # where its start-up went, in its Tune results for the operator (bench/job_overhead.py)
     timings = {"imported_at": IMPORTED_AT, "entered_at": entered, "attempt_s": recorded - entered}

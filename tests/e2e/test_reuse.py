@@ -28,6 +28,7 @@ def test_a_jobs_trials_share_processes_that_read_the_data_once(service, digits, 
     spec = small_job(digits)
     spec["search_space"] = {"method.threshold": {"grid": [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]}}
     spec["privacy"]["epsilon"] = 5.0
+    spec["epochs"] = 3  # hundredths of a second each: their progress rows go in two calls
     job = service.post("/v1/jobs", spec)
     done = service.wait(job["id"])
     assert done["status"] == "released", service.orchestrator.logs(job["id"])[-5000:]
@@ -53,6 +54,11 @@ def test_a_jobs_trials_share_processes_that_read_the_data_once(service, digits, 
     # each trial still recorded and charged one attempt of its own, before it read data
     trials = service.get(f"/v1/jobs/{job['id']}/trials")
     assert all(t["status"] == "succeeded" and len(t["attempts"]) == 1 for t in trials)
+    # every epoch's rows reached the control plane, batched (runner.client.Progress)
+    names = ("train_accuracy", "train_loss", "val_accuracy", "val_loss")
+    for trial in trials:
+        shown = sorted((m["epoch"], m["name"]) for m in trial["metrics"])
+        assert shown == [(e, n) for e in (1, 2, 3) for n in names], shown
     budget = service.get(f"/v1/datasets/{digits}/budget")
     assert len(charged(budget)) == 6
     assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 6), rel=1e-9)
