@@ -27,7 +27,8 @@ wall/train (and the trials alone: first trial's start to last one's end, over tr
 into ``between`` (the previous trial's scoring, weights and report, Tune's bookkeeping and,
 for a fresh process, its spawn and imports: ``spawn+imports``), ``attempt`` (recording the
 attempt with the control plane), ``data`` (reading the dataset) and ``setup`` (model, engine,
-copies).
+copies); ``reporting progress``, per trial, what its progress reports to the control plane and
+to Tune took (``runner.client.Progress``: in the training loop, and the last one after it).
 
     flock /tmp/dptune-ray.lock nice -n 10 .venv/bin/python bench/job_overhead.py --compare
 """
@@ -192,6 +193,8 @@ def summarize(rows: list[dict[str, Any]], posted: float, ended: float) -> dict[s
         "driver_s": rows[0]["entered_at"] - posted,
         "startup_s": {k: statistics.mean(g[k] for g in gaps) for k in gaps[0]},
         "first_trial_data_s": rows[0]["load_s"],
+        # progress reports inside each trial's training loop, and their last one after it
+        "reporting_s": statistics.mean(r["reporting_s"] for r in rows),
     }
 
 
@@ -218,7 +221,7 @@ def show(name: str, s: dict[str, Any]) -> None:
         f"{name:<24} {s['trials']:>2} trials in {s['processes']:>2} processes: wall "
         f"{s['wall_s']:6.1f} s, train {s['train_s']:6.1f} s, ratio {s['ratio']:.2f}× (trials "
         f"alone {s['trials_s'] / s['train_s']:.2f}×), driver {s['driver_s']:.1f} s; start-up "
-        f"per trial (mean s): {split}",
+        f"per trial (mean s): {split}; reporting progress {s['reporting_s']:.3f} s a trial",
         flush=True,
     )
 

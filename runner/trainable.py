@@ -62,11 +62,15 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         steps_run = t
 
     progress = Progress(api, attempt)
+    reporting = 0.0  # seconds spent reporting progress, in the training loop and after it
 
     def on_epoch(rows: list[dict[str, Any]]) -> None:
+        nonlocal reporting
+        started = time.perf_counter()
         # Tune's reports (each waits for the driver) go with the control plane's, as often
         if progress.add(steps_run, [{**r, "public": r["visibility"] == "public"} for r in rows]):
             tune.report({"steps": steps_run, **shown, **{r["name"]: r["value"] for r in rows}})
+        reporting += time.perf_counter() - started
 
     try:
         outcome = run_trial(
@@ -78,10 +82,18 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
         api.finish(attempt, "failed", steps_run)
         log.error("trial %d failed: %s", index, error)
         raise
+    flushed = time.perf_counter()
     progress.flush()
+    reporting += time.perf_counter() - flushed
     result = outcome.result
-    # where its start-up went, in its Tune results for the operator (bench/job_overhead.py)
-    timings = {"imported_at": IMPORTED_AT, "entered_at": entered, "attempt_s": recorded - entered}
+    # where its start-up and its reporting went, in its Tune results for the operator
+    # (bench/job_overhead.py)
+    timings = {
+        "imported_at": IMPORTED_AT,
+        "entered_at": entered,
+        "attempt_s": recorded - entered,
+        "reporting_s": reporting,
+    }
     path = ctx.weights_path(index)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(
