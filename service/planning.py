@@ -239,7 +239,7 @@ def _shape_noise(
     (ln e, ln ε_job), which is close to a line: it starts from the e that the first shape alone
     would get, and stops once the job lands in [target·(1 − SHAPES_TOLERANCE), target]. Every
     step computes the job's ε from the calibrated curves themselves, so whatever e it settles
-    on, the plan never costs more than the target. About 2 s per shape; memoized, so that
+    on, the plan never costs more than the target. 0.1–0.6 s a shape; memoized, so that
     the POST of a job planned just before (``POST /v1/plans``) does not pay it again."""
 
     q0, steps0 = sizes[0]
