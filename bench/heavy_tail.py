@@ -190,6 +190,13 @@ def plot(runs: list[dict[str, Run]], groups: int, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _shown(value: object) -> object:
+    """An argument as the report records it: a path inside the repository relative to it."""
+    if not isinstance(value, Path):
+        return value
+    return str(value.relative_to(ROOT) if value.is_relative_to(ROOT) else value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="scale 1/8, 300 steps, no grid")
@@ -219,7 +226,7 @@ def main() -> None:
     print(table(runs, groups))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: _shown(v) for k, v in vars(args).items()},
         "n": data.size,
         "epsilon": eps,
         "runs": [{k: asdict(r) for k, r in seed.items()} for seed in runs],

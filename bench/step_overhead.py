@@ -337,10 +337,11 @@ def interleaved(
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[list[float]]] = {m: [] for m in methods}
     spent = {m: 0.0 for m in methods}
-    for step in steps.values():  # warm-up: first-use set-up, the conv chooser's trials
+    settle = {m: getattr(step, "settle", lambda: None) for m, step in steps.items()}
+    for method, step in steps.items():  # warm-up: first-use set-up, the conv chooser's trials
         for _ in range(ROUND_STEPS + 1):
             step()
-        getattr(step, "settle", lambda: None)()
+        settle[method]()
     order = list(methods)
     while min(spent.values()) < seconds or len(times[methods[0]]) < 3:
         for method in order:
@@ -351,7 +352,7 @@ def interleaved(
                 sync()
                 if i:
                     run.append(time.perf_counter() - start)
-            getattr(step, "settle", lambda: None)()
+            settle[method]()
             times[method].append(run)
             spent[method] += sum(run)
         order = order[1:] + order[:1]

@@ -312,8 +312,9 @@ def _next_log_epsilon(seen: list[tuple[float, float]], goal: float) -> float:
     return x1 + (goal - y1) / slope
 
 
-@lru_cache(maxsize=256)
 def _trial(q: float, sigma: float, steps: int, noise: float | None) -> np.ndarray:
+    """One trial's curve; its costly part, one step's curve, is memoized by
+    :func:`core.accounting.rdp_curve`."""
     mechanism = accounting.TrialMechanism(
         sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=noise
     )
