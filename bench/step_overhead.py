@@ -130,7 +130,6 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     from torch import nn
 
     from core.config import ModelConfig
-    from workers.dp.clipping import resolve_groups
     from workers.models import build_model
 
     shape, classes, options = MODELS[model_name]
@@ -156,8 +155,6 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         from workers.dp.ghost import clipped_grad_sum
     else:
         from workers.dp.grads import clipped_grad_sum
-    from workers.dp.adaptive import ThresholdRule
-    from workers.dp.engine import PrivateStep
     from workers.dp.randomness import SecureStream, spare_core
 
     class TorchNoise(SecureStream):
@@ -166,17 +163,11 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         def normal(self, shape, *, device="cpu", dtype=torch.float32, out=None):
             return torch.randn(shape, device=device, dtype=dtype, out=out)
 
-    private = PrivateStep(
+    private = private_step(
         model,
-        nn.CrossEntropyLoss(reduction="none"),
-        resolve_groups(model, style),
         clipped_grad_sum,
-        clipping="abadi",
-        gamma=0.01,
-        rule=ThresholdRule(1.0),
-        grad_noise=1.0,
-        expected_batch_size=batch,
-        optimizer=optimizer,
+        batch,
+        style,
         noise=TorchNoise() if method == "fast_torchrng" else SecureStream(),
         draw_ahead=method != "fast_inline" and spare_core(),
     )
@@ -190,6 +181,33 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 
     dp_step.settle = settle  # type: ignore[attr-defined]
     return dp_step
+
+
+def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: bool):
+    """The product's step as every DP column of these benchmarks runs it: ``clipper``, Abadi's
+    function at R = 1, σ = 1, ``noise`` into one flat buffer (drawn ahead if ``draw_ahead``),
+    SGD."""
+    import torch
+    from torch import nn
+
+    from workers.dp.adaptive import ThresholdRule
+    from workers.dp.clipping import resolve_groups
+    from workers.dp.engine import PrivateStep
+
+    return PrivateStep(
+        model,
+        nn.CrossEntropyLoss(reduction="none"),
+        resolve_groups(model, style),
+        clipper,
+        clipping="abadi",
+        gamma=0.01,
+        rule=ThresholdRule(1.0),
+        grad_noise=1.0,
+        expected_batch_size=batch,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        noise=noise,
+        draw_ahead=draw_ahead,
+    )
 
 
 def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:

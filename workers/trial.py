@@ -36,8 +36,9 @@ from workers.data import Dataset, hold_out, load_cached
 from workers.dp import PrivateStep, get_clipper, resolve_groups
 from workers.dp.adaptive import build_rule
 from workers.dp.optim import build_optimizer
+from workers.dp.physical import PhysicalBatches
 from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
-from workers.dp.sampling import micro_batches, poisson_batches
+from workers.dp.sampling import poisson_batches
 from workers.metrics import evaluate, group_accuracy, noisy_accuracy
 from workers.models import build_model
 
@@ -73,19 +74,21 @@ def _validation_data(cfg: TrialConfig, dataset: Dataset, stream: SecureStream) -
     return dataset
 
 
-def _epoch_metrics(model: nn.Module, data: Dataset, epoch: int) -> list[dict[str, Any]]:
+def _epoch_metrics(
+    model: nn.Module, data: Dataset, epoch: int, batch_size: int
+) -> list[dict[str, Any]]:
     """Training metrics on at most TRAIN_EVAL_EXAMPLES examples spread evenly over the
     training set: not its first ones, which in a dataset stored by class (heavy_tail) would
-    leave the rare classes' groups out."""
+    leave the rare classes' groups out. Evaluated ``batch_size`` examples at a time."""
     every = -(-data.size // TRAIN_EVAL_EXAMPLES)
     x, y = data.x[::every], data.y[::every]
-    train = evaluate(model, x, y)
+    train = evaluate(model, x, y, batch_size)
     rows = [("train_loss", train.loss, "private"), ("train_accuracy", train.accuracy, "private")]
     if data.class_group is not None:
         by_group = group_accuracy(train.predictions, y, data.class_group)
         rows += [(f"train_accuracy_group{g}", a, "private") for g, a in by_group.items()]
     if data.x_val is not None:
-        val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
+        val = evaluate(model, data.x_val, data.y_val, batch_size)  # type: ignore[arg-type]
         visibility = "public" if data.val_public else "private"
         rows += [("val_loss", val.loss, visibility), ("val_accuracy", val.accuracy, visibility)]
     return [{"epoch": epoch, "name": n, "value": v, "visibility": vis} for n, v, vis in rows]
@@ -151,12 +154,17 @@ def build_engine(
 
 
 def _score(
-    cfg: TrialConfig, model: nn.Module, data: Dataset, registered_size: int, stream: SecureStream
+    cfg: TrialConfig,
+    model: nn.Module,
+    data: Dataset,
+    registered_size: int,
+    stream: SecureStream,
+    batch_size: int,
 ) -> dict[str, Any]:
     """The selection score: public validation accuracy, or the private one released through
     the Gaussian mechanism (docs/design.md, invariant 5), divided by the hold-out's expected
-    size."""
-    val = evaluate(model, data.x_val, data.y_val)  # type: ignore[arg-type]
+    size. Evaluated ``batch_size`` examples at a time."""
+    val = evaluate(model, data.x_val, data.y_val, batch_size)  # type: ignore[arg-type]
     noise = cfg.validation.noise if cfg.validation.split == "private" else None
     value = (
         val.accuracy
@@ -197,19 +205,20 @@ def run_trial(
     thresholds, metrics, epoch = [], [], 0
     train_started_at, train_start = time.time(), time.perf_counter()
     batches = poisson_batches(data.size, privacy.sample_rate, privacy.steps, randomness.sampling)
+    # on CPU, micro-batches halved while that saves page faults and time (workers.dp.physical);
+    # evaluation takes batches of the same size: their tensors are the forward pass's
+    physical = PhysicalBatches(cfg.physical_batch_size, adapt=device.type == "cpu")
     for t, indices in enumerate(batches):
-        chunks = [
-            (data.x[i], data.y[i])
-            for i in micro_batches(indices.to(device), cfg.physical_batch_size)
-        ]
-        thresholds.append(engine.step(chunks, t).threshold)
+        chunks = [(data.x[i], data.y[i]) for i in physical.split(indices.to(device))]
+        with physical.measure(len(indices)):
+            thresholds.append(engine.step(chunks, t).threshold)
         if on_step:
             on_step(t + 1, privacy.steps)
         # rows at each epoch's end; a partial last one (2.99 epochs of rounded steps) is one more
         ended = int((t + 1) * privacy.sample_rate + 1e-9)
         if ended > epoch or t + 1 == privacy.steps:
             epoch = max(ended, epoch + 1)
-            rows = _epoch_metrics(model, data, epoch)
+            rows = _epoch_metrics(model, data, epoch, physical.size)
             metrics += rows
             if on_epoch:
                 on_epoch(rows)
@@ -236,14 +245,16 @@ def run_trial(
         "rdp_order": order,
         "thresholds": thresholds if cfg.method.adaptive else None,
         "metrics": metrics,
-        "score": _score(cfg, model, data, full.size, randomness.validation),
+        "score": _score(cfg, model, data, full.size, randomness.validation, physical.size),
         "wall_time_s": time.perf_counter() - started,
         # where the time went: reading the data (once per process), the training loop (steps
-        # and epoch metrics) and when it began, to line up with the runner's start-up
+        # and epoch metrics) and when it began, to line up with the runner's start-up; and the
+        # physical batch size the steps ended with (it depends on realized batch sizes)
         "timings": {
             "load_s": loaded - reading,
             "train_started_at": train_started_at,
             "train_s": trained - train_start,
+            "physical_batch_size": physical.size,
         },
         "device": str(device),
     }

@@ -58,6 +58,8 @@ def test_each_method_learns(name):
     assert result["steps"] == round(2 / result["sample_rate"])
     adaptive = "adaptive" in METHODS[name]
     assert (result["thresholds"] is not None) == adaptive
+    # a small model faults no pages in: its micro-batches stay as configured (workers.dp.physical)
+    assert result["timings"]["physical_batch_size"] == BASE["physical_batch_size"]
     if adaptive:
         assert len(result["thresholds"]) == result["steps"]
         assert len(set(result["thresholds"])) > 1
@@ -128,7 +130,7 @@ def test_training_metrics_cover_every_group_of_a_dataset_stored_by_class(monkeyp
     monkeypatch.setattr(workers.trial, "TRAIN_EVAL_EXAMPLES", 100)
     y = torch.tensor([0] * 200 + [1] * 60 + [2] * 40)
     data = Dataset("sorted", torch.randn(300, 4), y, 3, class_group=torch.tensor([0, 1, 2]))
-    rows = workers.trial._epoch_metrics(torch.nn.Linear(4, 3), data, 1)
+    rows = workers.trial._epoch_metrics(torch.nn.Linear(4, 3), data, 1, 256)
     names = {r["name"] for r in rows}
     assert {f"train_accuracy_group{g}" for g in range(3)} <= names
 
