@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -42,8 +41,9 @@ import workers.trial  # noqa: E402
 from core.config import ModelConfig, TrialConfig  # noqa: E402
 from workers.dp.engine import PrivateStep  # noqa: E402
 from workers.dp.ghost import clipped_grad_sum  # noqa: E402
-from workers.dp.physical import PhysicalBatches  # noqa: E402
+from workers.dp.physical import PhysicalBatches, minor_faults  # noqa: E402
 from workers.dp.randomness import SecureStream, spare_core  # noqa: E402
+from workers.dp.sampling import micro_batches  # noqa: E402
 from workers.models import build_model  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -69,14 +69,13 @@ def measure(
     splits = sorted({batch, max(1, batch // 2), max(1, batch // 4)}, reverse=True)
 
     def run(physical: int) -> tuple[float, int]:
-        parts = [(x[i : i + physical], y[i : i + physical]) for i in range(0, batch, physical)]
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
+        parts = [(x[i], y[i]) for i in micro_batches(torch.arange(batch), physical)]
+        faults, start = minor_faults(), time.perf_counter()
         private.step(parts, 0)
         seconds = time.perf_counter() - start
         if private.ahead is not None:  # the next draw, finished untimed (as in step_overhead)
             private.ahead.result()
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return seconds, minor_faults() - faults
 
     for physical in splits:  # warm-up: first-use set-up of each shape
         run(physical)

@@ -87,15 +87,17 @@ class PhysicalBatches:
         if self.settled or examples == 0:
             yield
             return
-        faults, started = _minor_faults(), time.perf_counter()
+        faults, started = minor_faults(), time.perf_counter()
         yield
-        self.observe(_minor_faults() - faults, time.perf_counter() - started, examples)
+        self.observe(minor_faults() - faults, time.perf_counter() - started, examples)
 
     def observe(self, faults: int, seconds: float, examples: int) -> None:
         """One step's page faults, seconds and example count, at the current size."""
+        if self.settled:
+            return
         judged = self.tried[-1]
         judged.seen += 1
-        if self.settled or judged.seen <= SETTLE_STEPS:
+        if judged.seen <= SETTLE_STEPS:
             return
         judged.faults.append(faults)
         judged.per_example.append(seconds / examples)
@@ -112,5 +114,6 @@ class PhysicalBatches:
         self.settled = True
 
 
-def _minor_faults() -> int:
+def minor_faults() -> int:
+    """The process's minor page faults so far (pages the kernel mapped in on first touch)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
