@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from workers.dp import ghost
 from workers.dp import grads as general
 from workers.dp.clipping import coefficient_fn
+from workers.dp.ghost import layers as ghost_layers
 
 R = 1.0
 CANDIDATES = 128
@@ -84,6 +85,12 @@ def linear_ulp(d: int = 256) -> tuple[nn.Module, Tensor, Tensor]:
     return nn.Linear(d, d), torch.stack([base, moved], 1), _opposite(n, d, g)
 
 
+def conv1d_ulp() -> tuple[nn.Module, Tensor, Tensor]:
+    """``linear_ulp``'s rows as a 1-wide convolution over two positions."""
+    _, x, target = linear_ulp()
+    return nn.Conv1d(256, 256, 1), x.mT.contiguous(), target.mT.contiguous()
+
+
 def embedding() -> tuple[nn.Module, Tensor, Tensor]:
     """One id at both positions, output gradients w and -w + η: the row's gradient is η."""
     g = torch.Generator().manual_seed(0)
@@ -99,6 +106,7 @@ LAYERS = {
     "linear_instantiated": lambda: linear(2, 2),
     "conv1d_ghost": conv1d,  # patches of one position: the same ghost norm
     "linear_ulp": linear_ulp,
+    "conv1d_ulp": conv1d_ulp,
     "embedding": embedding,
 }
 
@@ -109,8 +117,24 @@ LAYERS = {
 def test_no_example_contributes_more_than_its_bound(
     clipper: str, layer: str, function: str
 ) -> None:
+    assert_bounded(clipper, *LAYERS[layer](), function)
+
+
+@pytest.mark.parametrize("function", ["abadi", "auto_v"])
+@pytest.mark.parametrize("layer", ["conv1d_ghost", "conv1d_ulp"])
+def test_conv_norms_from_pixels_keep_the_bound(
+    monkeypatch: pytest.MonkeyPatch, layer: str, function: str
+) -> None:
+    """The convolution's ghost norm with its patches' Gram matrices formed from the pixels'
+    (``ConvRule._pixel_sq_norms``), forced; without the rounding guard a ``conv1d_ulp``
+    candidate contributes 1.18·R."""
+    monkeypatch.setattr(ghost_layers.ConvRule, "_from_pixels", lambda *_: True)
+    assert_bounded("fast", *LAYERS[layer](), function)
+
+
+def assert_bounded(clipper: str, model: nn.Module, x: Tensor, target: Tensor, function: str):
+    """No candidate (row of ``x`` and ``target``), clipped alone, contributes more than R."""
     torch.manual_seed(0)
-    model, x, target = LAYERS[layer]()
     groups = [[n for n, _ in model.named_parameters()]]
     coef_fn = coefficient_fn(function, R, len(groups))
     worst, worst_i = 0.0, -1

@@ -255,6 +255,47 @@ def test_book_kept_instantiated_conv_norms_match(monkeypatch: pytest.MonkeyPatch
     check(Convs(), *data("image"), "all_layer")
 
 
+def test_convolution_norms_from_pixels_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ghost norms whose patches' Gram matrices come from the pixels', forced on every
+    convolution over several positions called once: Conv1d with string padding, dilation and
+    groups, Conv2d with padding, and with stride and groups."""
+    monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: True)
+    monkeypatch.setattr(
+        ghost_layers.ConvRule, "_from_pixels", lambda self, m, calls: len(calls) == 1
+    )
+    formed = []
+    pixel_sq_norms = ghost_layers.ConvRule._pixel_sq_norms
+
+    def spy(self, module: nn.Module, call):
+        formed.append(type(module).__name__)
+        return pixel_sq_norms(self, module, call)
+
+    monkeypatch.setattr(ghost_layers.ConvRule, "_pixel_sq_norms", spy)
+    torch.manual_seed(0)
+    for style_name in ("param_wise", "all_layer"):
+        check(Convs(), *data("image"), style_name)
+    assert sorted(formed) == ["Conv1d", "Conv1d", "Conv2d", "Conv2d", "Conv2d", "Conv2d"]
+    monkeypatch.setattr(ghost_layers, "CHUNK_ELEMENTS", 64)  # norms and sums a sample at a time
+    check(Convs(), *data("image"), "layer_wise")
+
+
+@pytest.mark.parametrize(
+    ("conv", "size", "chosen"),
+    [
+        (nn.Conv2d(256, 256, 3, padding=1, bias=False), 8, True),  # resnet18's third stage
+        (nn.Conv2d(512, 512, 3, padding=1, bias=False), 4, True),  # its fourth
+        (nn.Conv2d(128, 256, 3, stride=2, padding=1, bias=False), 16, False),  # P ≈ 4T
+        (nn.Conv2d(64, 64, 3, padding=1, bias=False), 32, False),  # instantiated norm
+        (nn.Conv1d(32, 32, 3, padding="same"), 10, True),
+    ],
+)
+def test_pixel_route_is_taken_where_it_costs_less(conv: nn.Module, size: int, chosen: bool) -> None:
+    x = torch.randn(2, conv.in_channels, *([size] * (conv.weight.dim() - 2)))
+    call = ghost_layers.Call(x, torch.randn_like(conv(x)))
+    assert ghost_layers.ConvRule()._from_pixels(conv, [call]) is chosen
+    assert ghost_layers.ConvRule()._from_pixels(conv, [call, call]) is False  # a shared layer
+
+
 def test_gradients_formed_during_backward_match(monkeypatch: pytest.MonkeyPatch) -> None:
     """Norm layers and many-position convolutions form per-sample gradients in the backward
     pass (a hook on their node) or, for a first layer, right after it; a layer whose output is
