@@ -131,18 +131,18 @@ class PrivateStep:
         # model's size.
         self._draw()
         self.flat.mul_(self.grad_noise * threshold)
-        norms = [torch.zeros(0)]
+        norms: list[Tensor] = []
         for inputs, targets in batches:
             if len(inputs) == 0:
                 continue
             group_norms, _ = self.clipper(
                 self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=self.views
             )
-            norms.append(group_norms.detach().pow(2).sum(1).sqrt().cpu())
+            norms.append(torch.linalg.vector_norm(group_norms.detach(), dim=1).cpu())
         self.flat.div_(self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
-        return torch.cat(norms)
+        return norms[0] if len(norms) == 1 else torch.cat([torch.zeros(0), *norms])
 
     def _draw(self) -> None:
         """Put this step's z in ``flat``: the draw made ahead, whose buffer becomes ``flat``,

@@ -167,6 +167,7 @@ class _Groups:
         self.norms = like.new_zeros(len(groups), like.shape[0], dtype=torch.float64)
         self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
         self.coef: dict[int, Tensor] = {}
+        self.finite: dict[int, bool] = {}  # whether every example's norm is finite, by group
         self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
         self.measured: list[_Layer | _Fallback] = []  # norms taken, sums not added yet
 
@@ -182,12 +183,13 @@ class _Groups:
             return
         for other in [u for u in self.arrived if self._groups(u) & complete]:
             for name, square in other.squares().items():
-                self.norms[self.group_of[name]] += square
+                self.norms[self.group_of[name]].add_(square)
             self.arrived.remove(other)
             self.measured.append(other)
         for m in complete:
             self.norms[m].sqrt_()
             self.coef[m] = clip_factors(self.coef_fn, self.norms[m].unsqueeze(1))[:, 0]
+            self.finite[m] = bool(self.norms[m].isfinite().all())
         self.measured = [u for u in self.measured if not self._sum(u)]
 
     def _sum(self, unit: _Layer | _Fallback) -> bool:
@@ -195,11 +197,11 @@ class _Groups:
         groups = sorted(self._groups(unit))
         if any(m not in self.coef for m in groups):
             return False
-        keep = self.norms[groups].isfinite().all(0)
-        clean = bool(keep.all())
+        # which examples add to the sums: all, unless some norm of these groups is not finite
+        keep = None if all(self.finite[m] for m in groups) else self.norms[groups].isfinite().all(0)
 
         def rows(x: Tensor) -> Tensor:
-            return x if clean or not x.is_floating_point() else zero_rows(x, keep)
+            return x if keep is None or not x.is_floating_point() else zero_rows(x, keep)
 
         unit.add_sums({name: self.coef[self.group_of[name]] for name in unit.names}, rows, self.out)
         unit.release()

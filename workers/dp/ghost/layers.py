@@ -297,7 +297,7 @@ def _bias_rows(module: nn.Module, calls: Sequence[Call], channel_dim: int) -> di
     per_call = []
     for call in calls:
         g = call.grad.movedim(channel_dim, -1)
-        per_call.append(g.reshape(g.shape[0], -1, g.shape[-1]).sum(1))
+        per_call.append(g if g.dim() == 2 else g.reshape(g.shape[0], -1, g.shape[-1]).sum(1))
     return {"bias": _rows(per_call)}
 
 
@@ -324,6 +324,18 @@ class LinearRule(LayerRule):
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         return positions_sq_norms(*self._positions(calls))
 
+    def sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
+        """Rank one (one call on [B, d]): the bias's gradient is g_i and the weight's g_i a_iᵀ,
+        so ‖g_i‖² (bounded from above, ``sq_norms``) serves both, as ``positions_sq_norms``
+        forms the weight's."""
+        if len(calls) != 1 or calls[0].grad.dim() != 2:
+            return super().sq_norms(module, calls)
+        sq_g = sq_norms(calls[0].grad)
+        out = {"bias": sq_g} if _trainable(module, "bias") else {}
+        if _trainable(module, "weight"):
+            out["weight"] = sq_norms(calls[0].activation) * sq_g
+        return out
+
     def keeps_per_sample(
         self, module: nn.Module, activation: Tensor, output_shape: torch.Size
     ) -> bool:
@@ -338,6 +350,30 @@ class LinearRule(LayerRule):
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         return positions_sum(*self._positions(calls), coef)[0]
+
+    def add_sums(
+        self,
+        module: nn.Module,
+        calls: Sequence[Call],
+        coef: dict[str, Tensor],
+        out: dict[str, Tensor],
+    ) -> None:
+        """Rank one (one call on [B, d]), weight and bias clipped alike: diag(C)·g formed once,
+        ``out[weight] += (diag(C)·g)ᵀ · a`` in one matmul straight into the buffer (no
+        temporary of the weight's size) and ``out[bias] += Σ_i C_i·g_i``."""
+        g = calls[0].grad
+        if (
+            len(calls) != 1
+            or g.dim() != 2
+            or coef.keys() != {"weight", "bias"}
+            or coef["weight"] is not coef["bias"]
+            or any(out[k].dtype != g.dtype for k in coef)
+        ):
+            super().add_sums(module, calls, coef, out)
+            return
+        scaled = _scaled(g, coef["weight"])
+        out["weight"].addmm_(scaled.T, calls[0].activation)
+        out["bias"].add_(scaled.sum(0))
 
     def add_weight_sum(
         self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
