@@ -7,9 +7,6 @@ import torch
 from scipy import stats
 from torch import nn
 
-from workers.dp import PrivateStep, clipped_grad_sum, resolve_groups
-from workers.dp.adaptive import ThresholdRule
-from workers.dp.optim import SGD
 from workers.dp.randomness import CHUNK, SecureStream
 
 
@@ -39,23 +36,11 @@ class Mixed(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_gradients_are_views_of_one_buffer_and_noise_has_std_sigma_r_over_b() -> None:
+def test_gradients_are_views_of_one_buffer_and_noise_has_std_sigma_r_over_b(make_step) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     sigma, r, b = 1.5, 0.5, 8
-    step = PrivateStep(
-        model,
-        nn.CrossEntropyLoss(reduction="none"),
-        resolve_groups(model, "all_layer"),
-        clipped_grad_sum,
-        clipping="abadi",
-        gamma=0.01,
-        rule=ThresholdRule(r),
-        grad_noise=sigma,
-        expected_batch_size=b,
-        optimizer=SGD(model.parameters(), lr=0.0),
-        noise=SecureStream(),
-    )
+    step = make_step(model, noise=sigma, threshold=r, expected=b, style="all_layer")
     for _ in range(2):  # the buffer is reused: the second step is not the first's leftovers
         step.private_gradient([(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))])
         grads = [p.grad for p in model.parameters()]
@@ -65,19 +50,7 @@ def test_gradients_are_views_of_one_buffer_and_noise_has_std_sigma_r_over_b() ->
         assert float(flat.std()) == pytest.approx(sigma * r / b, rel=0.03)
 
     mixed = Mixed()
-    step = PrivateStep(
-        mixed,
-        nn.CrossEntropyLoss(reduction="none"),
-        resolve_groups(mixed, "all_layer"),
-        clipped_grad_sum,
-        clipping="abadi",
-        gamma=0.01,
-        rule=ThresholdRule(1.0),
-        grad_noise=1.0,
-        expected_batch_size=4,
-        optimizer=SGD(mixed.parameters(), lr=0.1),
-        noise=SecureStream(),
-    )
+    step = make_step(mixed, noise=1.0, threshold=1.0, expected=4, style="all_layer", lr=0.1)
     step.step([(torch.randn(4, 4), torch.randint(0, 3, (4,)))], 0)
     assert step.flat.dtype == torch.float64
     assert mixed.fc.weight.dtype == torch.float32 and mixed.gain.dtype == torch.float64

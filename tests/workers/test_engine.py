@@ -86,36 +86,7 @@ class CountingStream(SecureStream):
         return super().normal(shape, **kwargs)
 
 
-def make_step(
-    model,
-    *,
-    noise,
-    threshold,
-    expected,
-    stream=None,
-    style="layer_wise",
-    clipper=clipped_grad_sum,
-    rule=None,
-    lr=0.0,
-    draw_ahead=False,
-):
-    return PrivateStep(
-        model,
-        LOSS,
-        resolve_groups(model, style),
-        clipper,
-        clipping="abadi",
-        gamma=0.01,
-        rule=rule or ThresholdRule(threshold),
-        grad_noise=noise,
-        expected_batch_size=expected,
-        optimizer=SGD(model.parameters(), lr=lr),
-        noise=stream or SecureStream(),
-        draw_ahead=draw_ahead,
-    )
-
-
-def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b():
+def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b(make_step):
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="mlp", options={"hidden": 128}), (64,), 10)
     sigma, r, b = 1.3, 0.8, 16
@@ -128,7 +99,7 @@ def test_empty_batch_gradient_is_pure_noise_with_std_sigma_r_over_b():
     assert step.noise_std(r) == pytest.approx(sigma * r / b)
 
 
-def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b():
+def test_noise_is_added_once_per_logical_step_and_sum_divided_by_expected_b(make_step):
     x, y = batch(n=7, scale=3.0)
     results = []
     for physical in (1, 3, 7):
@@ -235,7 +206,7 @@ class Shrinking(ThresholdRule):
 
 
 @pytest.mark.parametrize("style", ["all_layer", "layer_wise"])
-def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(style):
+def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(style, make_step):
     """Each step uses the draw made ahead for it once it is complete (a late one would
     otherwise land on the sums), scaled by that step's C_t; with an empty batch the noise is
     the gradient."""

@@ -6,13 +6,8 @@ from __future__ import annotations
 import statistics
 
 import torch
-from torch import nn
 
 from core.config import ModelConfig
-from workers.dp.adaptive import ThresholdRule
-from workers.dp.clipping import resolve_groups
-from workers.dp.engine import PrivateStep
-from workers.dp.ghost import clipped_grad_sum
 from workers.dp.physical import (
     FAULTS_PER_STEP,
     GAIN,
@@ -20,7 +15,6 @@ from workers.dp.physical import (
     SETTLE_STEPS,
     PhysicalBatches,
 )
-from workers.dp.randomness import SecureStream
 from workers.models import build_model
 
 PER_SIZE = SETTLE_STEPS + JUDGED_STEPS
@@ -93,7 +87,9 @@ def test_split_covers_the_batch_in_order() -> None:
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6]]
 
 
-def test_a_real_step_with_attention_over_the_mmap_threshold_gets_smaller_micro_batches() -> None:
+def test_a_real_step_with_attention_over_the_mmap_threshold_gets_smaller_micro_batches(
+    make_step,
+) -> None:
     """The product's step on a transformer whose attention scores are 64 MiB at B = 512
     (8 heads, 64 positions): glibc maps them afresh every step, so steps fault and are slow;
     the micro-batches shrink while they fault, and a smaller, faster size is kept (in a fresh
@@ -101,19 +97,7 @@ def test_a_real_step_with_attention_over_the_mmap_threshold_gets_smaller_micro_b
     batch = 512
     options = {"heads": 8, "dim": 32, "layers": 1, "ff": 32}
     model = build_model(ModelConfig(name="transformer", options=options), (8, 64), 4)
-    step = PrivateStep(
-        model,
-        nn.CrossEntropyLoss(reduction="none"),
-        resolve_groups(model, "all_layer"),
-        clipped_grad_sum,
-        clipping="abadi",
-        gamma=0.01,
-        rule=ThresholdRule(1.0),
-        grad_noise=1.0,
-        expected_batch_size=batch,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-        noise=SecureStream(),
-    )
+    step = make_step(model, noise=1.0, threshold=1.0, expected=batch, style="all_layer", lr=0.01)
     x, y = torch.randn(batch, 8, 64), torch.randint(0, 4, (batch,))
     physical = PhysicalBatches(batch, adapt=True)
     threads = torch.get_num_threads()

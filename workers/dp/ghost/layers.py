@@ -321,14 +321,18 @@ class LinearRule(LayerRule):
             _cat([positions(c.grad) for c in calls], 2),
         )
 
+    @staticmethod
+    def _rank_one(calls: Sequence[Call]) -> bool:
+        """One call on [B, d]: each example's weight gradient is g_i a_iᵀ, its bias's g_i."""
+        return len(calls) == 1 and calls[0].grad.dim() == 2
+
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         return positions_sq_norms(*self._positions(calls))
 
     def sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
-        """Rank one (one call on [B, d]): the bias's gradient is g_i and the weight's g_i a_iᵀ,
-        so ‖g_i‖² (bounded from above, ``sq_norms``) serves both, as ``positions_sq_norms``
-        forms the weight's."""
-        if len(calls) != 1 or calls[0].grad.dim() != 2:
+        """Rank one: ‖g_i‖² (bounded from above, ``sq_norms``) serves the bias and the weight,
+        as ``positions_sq_norms`` forms the weight's."""
+        if not self._rank_one(calls):
             return super().sq_norms(module, calls)
         sq_g = sq_norms(calls[0].grad)
         out = {"bias": sq_g} if _trainable(module, "bias") else {}
@@ -358,32 +362,29 @@ class LinearRule(LayerRule):
         coef: dict[str, Tensor],
         out: dict[str, Tensor],
     ) -> None:
-        """Rank one (one call on [B, d]), weight and bias clipped alike: diag(C)·g formed once,
-        ``out[weight] += (diag(C)·g)ᵀ · a`` in one matmul straight into the buffer (no
-        temporary of the weight's size) and ``out[bias] += Σ_i C_i·g_i``."""
-        g = calls[0].grad
-        if (
-            len(calls) != 1
-            or g.dim() != 2
-            or coef.keys() != {"weight", "bias"}
-            or coef["weight"] is not coef["bias"]
-            or any(out[k].dtype != g.dtype for k in coef)
-        ):
+        """Rank one, weight and bias clipped alike: diag(C)·g formed once for both sums (the
+        weight's as in ``add_weight_sum``, the bias's Σ_i C_i·g_i)."""
+        shared = coef.keys() == {"weight", "bias"} and coef["weight"] is coef["bias"]
+        if not (shared and self._straight_into(calls, out["weight"])):
             super().add_sums(module, calls, coef, out)
             return
-        scaled = _scaled(g, coef["weight"])
+        scaled = _scaled(calls[0].grad, coef["weight"])
         out["weight"].addmm_(scaled.T, calls[0].activation)
         out["bias"].add_(scaled.sum(0))
 
     def add_weight_sum(
         self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
     ) -> None:
-        """Rank one (one position, one call): ``out += (diag(C)·g)ᵀ · a`` in one matmul straight
-        into the buffer, with no temporary of the weight's size."""
-        if len(calls) == 1 and calls[0].grad.dim() == 2 and out.dtype == calls[0].grad.dtype:
+        """Rank one: ``out += (diag(C)·g)ᵀ · a`` in one matmul straight into the buffer, with no
+        temporary of the weight's size."""
+        if self._straight_into(calls, out):
             out.addmm_(_scaled(calls[0].grad, coef).T, calls[0].activation)
         else:
             super().add_weight_sum(module, calls, coef, out)
+
+    def _straight_into(self, calls: Sequence[Call], out: Tensor) -> bool:
+        """Whether the rank-one weight sum can be added into ``out`` by ``addmm_``."""
+        return self._rank_one(calls) and out.dtype == calls[0].grad.dtype
 
 
 class ConvRule(LayerRule):
