@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from workers.dp import clipping
-from workers.dp.clipping import BLOCKS_ABOVE, NORM_BLOCK, _float64_sq_norms, sq_norms
+from workers.dp.clipping import (
+    BLOCKS_ABOVE,
+    NORM_BLOCK,
+    _float64_sq_norms,
+    clipped_sum,
+    in_memory_order,
+    sq_norms,
+)
 
 TIGHT = 1e-5  # how far above the exact value the bound may be
 
@@ -98,3 +105,23 @@ def test_empty_rows_and_empty_batches(blocks: None) -> None:
     assert torch.equal(sq_norms(torch.zeros(3, 0)), torch.zeros(3, dtype=torch.float64))
     assert sq_norms(torch.zeros(0, 5)).shape == (0,)
     assert sq_norms(torch.zeros(0, 2, 3)).shape == (0,)
+
+
+@pytest.mark.parametrize("n", [3, NORM_BLOCK + 5])
+def test_rows_laid_out_in_another_order_are_read_in_place(blocks: None, n: int) -> None:
+    """Per-sample tensors whose memory order is not their axes' (channels-last convolution
+    gradients, a permuted view): norms and clipped sums as of the same values laid out in
+    order, with no copy of the rows."""
+    g = torch.Generator().manual_seed(n)
+    stored = torch.randn(4, 5, n, 3, generator=g)  # [B, O, k, C] in memory
+    rows = stored.permute(0, 1, 3, 2)  # [B, O, C, k]
+    ordered = rows.contiguous()
+    view, order = in_memory_order(rows)
+    assert order == [0, 1, 3, 2] and view.flatten(1).data_ptr() == stored.data_ptr()
+    bound = sq_norms(rows)
+    assert all(e <= b <= e * (1 + TIGHT) for b, e in zip(bound.tolist(), exact(ordered)))
+    coef = torch.rand(4, generator=g, dtype=torch.float64)
+    total = clipped_sum(coef, rows)
+    assert total.shape == (5, 3, n)
+    expected = (coef.view(-1, 1, 1, 1) * ordered.double()).sum(0)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-6)

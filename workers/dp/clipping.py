@@ -137,7 +137,7 @@ def sq_norms(rows: Tensor) -> Tensor:
     in float64 instead (``_float64_sq_norms``), as small, non-float32 and device inputs are
     (on a GPU, unmeasured, the overflow check would cost a host sync per call).
     """
-    flat = rows.flatten(1)
+    flat = in_memory_order(rows)[0].flatten(1)  # a norm is the same in any order
     length = flat.shape[1]
     blocks = flat.dtype == torch.float32 and flat.device.type == "cpu" and length > 0
     if not blocks or flat.numel() <= BLOCKS_ABOVE:
@@ -217,8 +217,24 @@ def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
 
 
 def clipped_sum(coef: Tensor, per_sample: Tensor) -> Tensor:
-    """Σ_i coef[i] · per_sample[i] [B, …] → […], in the per-sample tensor's dtype."""
-    return torch.tensordot(factors_as(coef, per_sample.dtype), per_sample, dims=1)
+    """Σ_i coef[i] · per_sample[i] [B, …] → […], in the per-sample tensor's dtype (a permuted
+    view where ``per_sample`` is laid out in another order than its axes')."""
+    factors = factors_as(coef, per_sample.dtype)
+    if per_sample.is_contiguous():
+        return torch.tensordot(factors, per_sample, dims=1)
+    rows, order = in_memory_order(per_sample)
+    total = torch.tensordot(factors, rows, dims=1)
+    return total.permute(sorted(range(total.dim()), key=lambda k: order[k + 1]))
+
+
+def in_memory_order(x: Tensor) -> tuple[Tensor, list[int]]:
+    """``x`` [B, …] with the axes after the first permuted into the order they lie in memory
+    (a view), and that permutation: per-sample tensors formed in another layout than their
+    axes' (``ConvRule``'s channels-last per-sample gradients) then flatten without a copy."""
+    if x.is_contiguous():
+        return x, list(range(x.dim()))
+    order = [0, *sorted(range(1, x.dim()), key=lambda k: -x.stride(k))]
+    return x.permute(order), order
 
 
 def zero_rows(x: Tensor, keep: Tensor) -> Tensor:

@@ -647,14 +647,17 @@ def _matmul_per_sample(
     through a strided view of the padded input in channels-last order and copied a few samples
     (``PATCH_CHUNK``) at a time. In that order a kernel row's k_w·C values are contiguous, so
     the copy moves runs of k_w·C floats where the channels-first order moved runs of k_w
-    (paper 001's first layer, 3 channels and an 8×8 kernel: 24 against 8; 1.5× faster)."""
+    (paper 001's first layer, 3 channels and an 8×8 kernel: 24 against 8). The result keeps
+    the patches' order in memory (a permuted view, [B, O, C, k] laid out as [B, O, k, C]):
+    norms and clipped sums take it in that order (``workers.dp.clipping.in_memory_order``)
+    and no second copy of the gradients is made."""
     assert groups == 1
     (ph, pw), (sh, sw), (dh, dw) = geo["padding"], geo["stride"], geo["dilation"]
-    x = F.pad(x4, (pw, pw, ph, ph)).permute(0, 2, 3, 1).contiguous()  # [B, H, W, C]
+    x = F.pad(x4.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))  # [B, H, W, C], one copy
     b, c, (oh, ow), (kh, kw) = x.shape[0], x.shape[3], g4.shape[-2:], geo["kernel_size"]
     st = x.stride()
     view = x.as_strided(
-        (b, oh, ow, kh, kw, c), (st[0], sh * st[1], sw * st[2], dh * st[1], dw * st[2], 1)
+        (b, oh, ow, kh, kw, c), (st[0], sh * st[1], sw * st[2], dh * st[1], dw * st[2], st[3])
     )
     positions, width = oh * ow, c * kh * kw
     out = x.new_empty(b, weight[0], width)
@@ -663,7 +666,7 @@ def _matmul_per_sample(
     for i in range(0, b, step):
         patches = view[i : i + step].reshape(-1, positions, width)
         torch.bmm(grads[i : i + step], patches, out=out[i : i + step])
-    return out.view(b, weight[0], kh, kw, c).permute(0, 1, 4, 2, 3).reshape(b, *weight)
+    return out.view(b, weight[0], kh, kw, c).permute(0, 1, 4, 2, 3).view(b, *weight)
 
 
 class _Faster:
