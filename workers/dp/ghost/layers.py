@@ -458,9 +458,9 @@ class ConvRule(LayerRule):
         samples as extra groups (``_grouped_per_sample``), or on CPU, for an ungrouped
         convolution, by batched matmuls over the patches (``_matmul_per_sample``) where those
         are faster for this geometry on the trial's first steps (``_Faster``). Neither wins
-        everywhere: on CPU, oneDNN's grouped convolution is about 1.5× slower than the matmuls
-        for paper 001's first layer (3 input channels, 8×8 kernel), and faster for its second
-        at B = 64 and for resnet18's convolutions (up to 3×). Both give the same gradients up
+        everywhere: on CPU, oneDNN's grouped convolution is about 2.1× slower than the matmuls
+        for paper 001's first layer (3 input channels, 8×8 kernel), as fast for its second,
+        and faster for resnet18's convolutions (up to 3×). Both give the same gradients up
         to rounding, and a step's norms and clipped sums are both formed from the one result
         it gets."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
