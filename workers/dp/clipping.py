@@ -219,11 +219,10 @@ def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
 def clipped_sum(coef: Tensor, per_sample: Tensor) -> Tensor:
     """Σ_i coef[i] · per_sample[i] [B, …] → […], in the per-sample tensor's dtype (a permuted
     view where ``per_sample`` is laid out in another order than its axes')."""
-    factors = factors_as(coef, per_sample.dtype)
-    if per_sample.is_contiguous():
-        return torch.tensordot(factors, per_sample, dims=1)
     rows, order = in_memory_order(per_sample)
-    total = torch.tensordot(factors, rows, dims=1)
+    total = torch.tensordot(factors_as(coef, per_sample.dtype), rows, dims=1)
+    if rows is per_sample:
+        return total
     return total.permute(sorted(range(total.dim()), key=lambda k: order[k + 1]))
 
 

@@ -142,7 +142,7 @@ class PrivateStep:
         self.flat.div_(self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
-        return norms[0] if len(norms) == 1 else torch.cat([torch.zeros(0), *norms])
+        return torch.cat(norms) if len(norms) > 1 else (norms[0] if norms else torch.zeros(0))
 
     def _draw(self) -> None:
         """Put this step's z in ``flat``: the draw made ahead, whose buffer becomes ``flat``,
