@@ -420,7 +420,8 @@ def _run_self(
         style,
         *(["--threads", str(args.threads)] if args.threads else []),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     try:
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 15's GPU checks on a lent GPU, in as few device calls as fit its limits (10 minutes a
+# call): what to run is named by the arguments, in order.
+#   step     the step_overhead table on CUDA: resnet18 and the transformer at B = 64, 256,
+#            1024; non-private, ours and Opacus' ghost clipping (each model cut at 4 minutes;
+#            on 2026-11-26 resnet18's B = 1024 row did not finish within 170 s)
+#   sharing  the shared-GPU tuning job (bench/trial_sharing.py: 8 trials of resnet18 on
+#            digits, one by one and 4 at once; 4.5 minutes on an H100 with its start-up)
+#   profile  bench/device/profile_step.py on resnet18 at B = 64 and 256 (about a minute)
+# Logs and JSON land in $OUT.
+#
+#     bash bench/device/pack.sh        # here, once: .gpu/site.tar.xz, the packages it lacks
+#     device run, carry [".gpu"]: bash bench/device/run.sh step
+#     device run, carry [".gpu"]: bash bench/device/run.sh sharing profile
+set -u
+cd "$(dirname "$0")/../.."
+[ $# -gt 0 ] || set -- step
+started=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - started )) s"; }
+mkdir -p /tmp/site /tmp/bin "${OUT:=/tmp/out}"
+[ -d /tmp/site/ray ] || tar xJf .gpu/site.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/bin:$PATH
+# the two commands the benches start (no console scripts: the wheels were unpacked, not installed)
+printf '#!/bin/sh\nexec python3 -c "import sys; from ray.scripts.scripts import main; sys.argv[0]=\\"ray\\"; sys.exit(main())" "$@"\n' > /tmp/bin/ray
+printf '#!/bin/sh\nexec python3 -c "import sys; from service.cli import app; sys.argv[0]=\\"dptune\\"; app()" "$@"\n' > /tmp/bin/dptune
+chmod +x /tmp/bin/ray /tmp/bin/dptune
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
+import sys, torch, ray, opacus
+from workers.dp.randomness import SecureStream
+print(sys.version.split()[0], "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(),
+      torch.cuda.get_device_name(0), "ray", ray.__version__, "opacus", opacus.__version__)
+x = SecureStream().normal(10_000_000, device="cuda")
+print(f"secure noise on the GPU: mean {x.mean().item():.4f}, std {x.std().item():.4f}")
+PY
+for what in "$@"; do
+  case $what in
+    step)
+      for model in resnet18 transformer; do
+        timeout 240 python3 bench/step_overhead.py --models $model --batches 64 256 1024 \
+          --methods nonprivate fast opacus_ghost --seconds 1 --timeout 90 \
+          --json "$OUT/step_$model.json" > "$OUT/step_$model.log" 2>&1
+        echo "step_overhead $model: rc $? at $(elapsed)"
+      done ;;
+    sharing)
+      timeout 300 python3 bench/trial_sharing.py --model resnet18 --dataset digits --epochs 4 \
+        > "$OUT/sharing.log" 2>&1
+      echo "trial_sharing: rc $? at $(elapsed)" ;;
+    profile)
+      timeout 200 python3 bench/device/profile_step.py resnet18 64 256 > "$OUT/profile.log" 2>&1
+      echo "profile: rc $? at $(elapsed)" ;;
+    *) echo "unknown check: $what (step, sharing or profile)"; exit 2 ;;
+  esac
+done
+for log in "$OUT"/*.log; do echo "== $log"; grep -v '^\s*$' "$log" | tail -22; done
