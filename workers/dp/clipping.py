@@ -124,7 +124,7 @@ def coefficient_fn(
 
 def sq_norms(rows: Tensor) -> Tensor:
     """‖x_i‖² [B] (float64) of every row x_i = ``rows[i]``, finite for every row of finite
-    values: for float32 rows on CPU of more than ``BLOCKS_ABOVE`` elements in all, an upper
+    values: for float32 rows of more than ``BLOCKS_ABOVE`` elements in all, an upper
     bound a few parts per million above it; otherwise the float64 sum, within about n·10⁻¹⁶.
 
     Squares of float32 values overflow from 1.8e19 on, and a float32 sum of millions of
@@ -134,12 +134,16 @@ def sq_norms(rows: Tensor) -> Tensor:
     blocks of ``NORM_BLOCK`` elements, each in float32 (one pass over the input, no float64
     copy of it), the block sums added in float64 and raised by ``_float32_guard`` to a bound
     on the exact value. A row whose blocks overflow (or hold a NaN or an infinity) is summed
-    in float64 instead (``_float64_sq_norms``), as small, non-float32 and device inputs are
-    (on a GPU, unmeasured, the overflow check would cost a host sync per call).
+    in float64 instead (``_float64_sq_norms``), as small and non-float32 inputs are.
+
+    On a GPU too: there the overflow check costs a host sync per call, but the float64 route
+    converts ``NORM_CHUNK`` elements at a time, a few samples' gradients, and so launches a
+    few kernels per sample: about 1,100 norms a step for resnet18 at B = 256 on an H100,
+    whose DP step was bound by launching kernels (the blocks take a handful per call).
     """
     flat = in_memory_order(rows)[0].flatten(1)  # a norm is the same in any order
     length = flat.shape[1]
-    blocks = flat.dtype == torch.float32 and flat.device.type == "cpu" and length > 0
+    blocks = flat.dtype == torch.float32 and length > 0
     if not blocks or flat.numel() <= BLOCKS_ABOVE:
         return _float64_sq_norms(flat)  # small: one float64 reduction makes fewer calls
     whole = length // NORM_BLOCK

@@ -31,7 +31,6 @@ rounding guard (``positions_sq_norms``) that makes the argument rigorous.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -393,8 +392,8 @@ class ConvRule(LayerRule):
     A convolution is a linear map on the unfolded patches [B, C_in·k, T] (one per conv group),
     so norms are those of ``positions_sq_norms`` on the patches, a bounded chunk of samples at a
     time (ghost norms with the patches' Gram matrices formed from the pixels' where that is
-    cheaper, ``_pixel_sq_norms``), and clipped sums those of ``positions_sum``, formed by a
-    float64 weight-gradient convolution (``weight_sum``). Per-sample gradients formed in the
+    cheaper, ``_pixel_sq_norms``), and clipped sums those of ``positions_sum`` (``weight_sum``),
+    the patches copied out of a channels-last view of the input. Per-sample gradients formed in the
     backward pass (``keeps_per_sample``) come from one grouped weight-gradient convolution, or
     from batched matmuls over the patches where those are faster (``weight_per_sample``).
     """
@@ -485,19 +484,19 @@ class ConvRule(LayerRule):
         self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call], part: slice
     ) -> tuple[Tensor, Tensor]:
         """Patches [b, G, T, d] and output gradients [b, G, T, p] of the samples in ``part``,
-        in float64 (the input is converted before it is unfolded, k times cheaper), calls
-        concatenated along T, one map per conv group."""
+        in float64 (the input is converted before its patches are copied, k times cheaper),
+        calls concatenated along T, one map per conv group. A patch's d values are in
+        channels-last order, (k_h, k_w, C_in/G) (``_channels_last_patches``)."""
         patches, grads = [], []
         for call in calls:
             x4, geo = self._as_2d(module, call.activation[part].double())
-            patches.append(F.unfold(x4, **geo))  # [b, C_in·k, T]
-            grads.append(call.grad[part].double().flatten(2))  # [b, C_out, T]
-        a, g = _cat(patches, -1), _cat(grads, -1)
-        b, positions, groups = a.shape[0], a.shape[-1], module.groups
-        return (
-            a.reshape(b, groups, -1, positions).transpose(-1, -2),
-            g.reshape(b, groups, -1, positions).transpose(-1, -2),
-        )
+            g = call.grad[part].double()
+            out = g.shape[2:] if isinstance(module, nn.Conv2d) else (1, g.shape[-1])
+            b, groups, positions = len(g), module.groups, math.prod(out)
+            view = _channels_last_patches(x4, out, geo, groups)  # [b, *out, k…, G, C_in/G]
+            patches.append(view.permute(0, 5, 1, 2, 3, 4, 6).reshape(b, groups, positions, -1))
+            grads.append(g.reshape(b, groups, -1, positions).transpose(-1, -2))
+        return _cat(patches, 2), _cat(grads, 2)
 
     def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -566,45 +565,54 @@ class ConvRule(LayerRule):
         return _cat(out, 0)
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
-        """``Σ_i coef[i] Σ_t g_t a_tᵀ`` in float64 as ``positions_sum`` forms it, but by the
-        weight-gradient convolution of the inputs and the scaled output gradients, a chunk of
-        samples at a time (``_sum_chunks``: at most max(T, ``SUM_ROWS``) rows, and the
-        convolution's own unfolded columns bounded), whose partial sums are added: one float64
-        unfolding of the patches where ``positions_sum`` took two copies.
+        """``Σ_i coef[i] Σ_t g_t a_tᵀ`` in float64 by ``positions_sum`` over the patches, a
+        chunk of samples at a time (``_sum_chunks``: at most max(T, ``SUM_ROWS``) rows, and
+        the float64 inputs, output gradients and patches bounded), whose partial sums are
+        added; the patches' channels-last order is permuted back on the weight-sized sum.
 
-        The rounding guard of ``positions_sq_norms`` holds unchanged: each c_i·g_t is rounded
-        once, and each entry of a chunk's sum is one float64 reduction of its rows' products in
-        some order, whatever order torch's own convolution takes (im2col and a classical matrix
-        product per sample). cuDNN is switched off for it: its FFT and Winograd algorithms
-        round otherwise. resnet18 at B = 64: a third off its 256-channel layers' sums; its
-        512-channel layers' (16 positions) are float64 matmul work either way."""
+        Each chunk is a few whole-chunk operations (one copy of the patches, one matrix
+        product), never a loop over its samples. torch's own float64 weight-gradient
+        convolution, which served here before (cuDNN off: its FFT and Winograd algorithms
+        round otherwise), is im2col and a matrix product per sample: on an H100, 3,584
+        im2col kernels a step for resnet18 at B = 256, whose step was bound by launching
+        kernels. On CPU this is 0.66–1.10× its time for resnet18's layers."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         batch = calls[0].grad.shape[0]
         positions = sum(c.grad[0].numel() // module.out_channels for c in calls)
-        # float64 inputs and output gradients, and the convolution's unfolded columns
-        elements = sum(c.activation[0].numel() + c.grad[0].numel() for c in calls)
+        # float64 inputs (and their padded copy), output gradients (float64, scaled, reordered)
+        # and patches
+        elements = sum(2 * c.activation[0].numel() + 3 * c.grad[0].numel() for c in calls)
         elements += positions * module.groups * module.weight[0].numel()
-        total = module.weight.new_zeros(module.weight.shape, dtype=torch.float64)
-        with torch.backends.cudnn.flags(enabled=False):
-            for part in _sum_chunks(batch, positions, elements):
-                total += functools.reduce(
-                    torch.add, (self._scaled_sum(module, call, coef, part) for call in calls)
-                )
-        return total
+        total = sum(
+            positions_sum(*self._positions(module, calls, part), coef[part])
+            for part in _sum_chunks(batch, positions, elements)
+        )
+        assert isinstance(total, Tensor)
+        kernel = module.weight.shape[2:]
+        channels_last = total.view(module.out_channels, *kernel, -1)  # [O, k…, C_in/G]
+        return channels_last.movedim(-1, 1).reshape(module.weight.shape)
 
-    def _scaled_sum(
-        self, module: nn.Conv1d | nn.Conv2d, call: Call, coef: Tensor, part: slice
-    ) -> Tensor:
-        """``Σ_{i∈part} coef[i] Σ_t g_t a_tᵀ`` of one call, in float64."""
-        x4, geo = self._as_2d(module, call.activation[part].double())
-        g = call.grad[part]
-        g4 = g.double() * coef[part].double().view(-1, *([1] * (g.dim() - 1)))
-        if isinstance(module, nn.Conv1d):
-            g4 = g4.unsqueeze(-2)
-        weight = (module.out_channels, module.in_channels // module.groups, *geo["kernel_size"])
-        return torch.nn.grad.conv2d_weight(
-            x4, weight, g4, geo["stride"], geo["padding"], geo["dilation"], module.groups
-        ).view_as(module.weight)
+
+def _channels_last_patches(
+    x4: Tensor, out: tuple[int, ...], geo: dict[str, tuple], groups: int
+) -> Tensor:
+    """The patches of a 2-D convolution's input ``x4`` [b, C, H, W] at its ``out`` output
+    positions, as a strided view [b, *out, k_h, k_w, G, C/G] of the input padded in
+    channels-last order (one copy): there a kernel row's k_w·C values are contiguous, so
+    copying patches out of the view moves runs of k_w·C values where the channels-first order
+    (``F.unfold``'s, one im2col per sample) moves runs of k_w."""
+    (ph, pw), (sh, sw), (dh, dw), (kh, kw) = (
+        geo["padding"],
+        geo["stride"],
+        geo["dilation"],
+        geo["kernel_size"],
+    )
+    x = F.pad(x4.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))  # [b, H, W, C]
+    b, c, st = x.shape[0], x.shape[3], x.stride()
+    return x.as_strided(
+        (b, *out, kh, kw, groups, c // groups),
+        (st[0], sh * st[1], sw * st[2], dh * st[1], dw * st[2], c // groups * st[3], st[3]),
+    )
 
 
 def _patch_pixels(
@@ -643,24 +651,19 @@ def _matmul_per_sample(
     x4: Tensor, g4: Tensor, geo: dict[str, tuple], groups: int, weight: torch.Size
 ) -> Tensor:
     """Per-sample weight gradients [B, *weight] of an ungrouped 2-D convolution as
-    ``g_i · P_iᵀ``: output gradients [O, T] times patches [T, k·C] per sample, the patches read
-    through a strided view of the padded input in channels-last order and copied a few samples
-    (``PATCH_CHUNK``) at a time. In that order a kernel row's k_w·C values are contiguous, so
-    the copy moves runs of k_w·C floats where the channels-first order moved runs of k_w
-    (paper 001's first layer, 3 channels and an 8×8 kernel: 24 against 8). The result keeps
+    ``g_i · P_iᵀ``: output gradients [O, T] times patches [T, k·C] per sample, the patches
+    copied a few samples (``PATCH_CHUNK``) at a time out of their channels-last view
+    (``_channels_last_patches``: paper 001's first layer, 3 channels and an 8×8 kernel, copies
+    runs of 24 floats where the channels-first order copied runs of 8). The result keeps
     the patches' order in memory (a permuted view, [B, O, C, k] laid out as [B, O, k, C]):
     norms and clipped sums take it in that order (``workers.dp.clipping.in_memory_order``)
     and no second copy of the gradients is made."""
     assert groups == 1
-    (ph, pw), (sh, sw), (dh, dw) = geo["padding"], geo["stride"], geo["dilation"]
-    x = F.pad(x4.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))  # [B, H, W, C], one copy
-    b, c, (oh, ow), (kh, kw) = x.shape[0], x.shape[3], g4.shape[-2:], geo["kernel_size"]
-    st = x.stride()
-    view = x.as_strided(
-        (b, oh, ow, kh, kw, c), (st[0], sh * st[1], sw * st[2], dh * st[1], dw * st[2], st[3])
-    )
+    (oh, ow), (kh, kw), c = g4.shape[-2:], geo["kernel_size"], x4.shape[1]
+    view = _channels_last_patches(x4, (oh, ow), geo, 1)
+    b = len(view)
     positions, width = oh * ow, c * kh * kw
-    out = x.new_empty(b, weight[0], width)
+    out = x4.new_empty(b, weight[0], width)
     grads = g4.reshape(b, weight[0], positions)
     step = max(1, PATCH_CHUNK // (positions * width))
     for i in range(0, b, step):
