@@ -1,0 +1,136 @@
+"""Operations a training step dispatches, DP against non-private: a count of kernel launches
+that needs no GPU.
+
+On a GPU the product's DP step is bound by launching kernels, not by arithmetic (the README,
+"On a GPU": resnet18 at B = 256 on an H100 took 228 ms of host time a step against 74 ms of
+GPU time). Each tensor operation torch dispatches is at least one launch there, so counting
+them on CPU tells whether a change adds or removes launches without a GPU. Views (``view``,
+``slice``, ``permute``, ...) launch nothing and are not counted; neither is what one operation
+does inside (torch's CPU and CUDA kernels of one operation may loop differently).
+
+The DP column is ``fast_torchrng``: the product's step with its noise from torch's generator,
+one operation, as on CUDA, where the secure stream keys Philox on the device; on CPU the
+secure stream's Box–Muller takes a few operations per 2¹⁶ draws. One caveat: on CPU a
+convolution's per-sample gradients may come from ``_matmul_per_sample`` (a bmm per few
+samples) where CUDA always takes the grouped convolution (one operation).
+
+    python bench/op_count.py                          # mlp cnn transformer logreg, B = 64
+    python bench/op_count.py --models resnet18 --batches 16 --top 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import step_overhead  # noqa: E402
+
+#: operations that make a view of their input: no kernel runs
+VIEWS = frozenset(
+    [
+        "alias",
+        "as_strided",
+        "detach",
+        "diagonal",
+        "expand",
+        "lift_fresh",
+        "narrow",
+        "permute",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unflatten",
+        "unsqueeze",
+        "view",
+        "_reshape_alias",
+        "_unsafe_view",
+    ]
+)
+
+
+class Count(TorchDispatchMode):
+    """Counts the non-view operations dispatched while active, by name and by the line of this
+    repository's code (outside ``.venv``) that made them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: collections.Counter[str] = collections.Counter()
+        self.by_line: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.by_op[name] += 1
+            self.by_line[_caller()] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+
+def _caller() -> str:
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if path.startswith(str(ROOT)) and ".venv" not in path and not path.endswith("op_count.py"):
+            return f"{Path(path).relative_to(ROOT)}:{frame.lineno} {frame.name}"
+    return "torch"
+
+
+def count_step(step: Callable[[], None]) -> Count:
+    """The operations of one steady step (after three first steps)."""
+    for _ in range(3):
+        step()
+    count = Count()
+    with count:
+        step()
+    return count
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, int], dict[str, int]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "logreg"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[64])
+    parser.add_argument("--top", type=int, default=0, help="also list the DP step's top lines")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    step_overhead._start_runtime("cpu")
+    results: dict[tuple[str, int], dict[str, int]] = {}
+    lines = [
+        "| model | B | non-private | DP (`fast`, torch's noise) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for model in args.models:
+        for batch in args.batches:
+            counts = {
+                method: count_step(
+                    step_overhead._build_step(model, batch, method, "cpu", "all_layer")
+                )
+                for method in ("nonprivate", "fast_torchrng")
+            }
+            results[(model, batch)] = {m: c.total for m, c in counts.items()}
+            base, dp = counts["nonprivate"].total, counts["fast_torchrng"].total
+            lines.append(f"| {model} | {batch} | {base} | {dp} | {dp / base:.2f}× |")
+            for line, n in counts["fast_torchrng"].by_line.most_common(args.top):
+                print(f"{model} B={batch}: {n:5d}  {line}", file=sys.stderr)
+    print("\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()
