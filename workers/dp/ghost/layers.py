@@ -31,6 +31,7 @@ rounding guard (``positions_sq_norms``) that makes the argument rigorous.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -583,11 +584,13 @@ class ConvRule(LayerRule):
         # and patches
         elements = sum(2 * c.activation[0].numel() + 3 * c.grad[0].numel() for c in calls)
         elements += positions * module.groups * module.weight[0].numel()
-        total = sum(
-            positions_sum(*self._positions(module, calls, part), coef[part])
-            for part in _sum_chunks(batch, positions, elements)
+        total = functools.reduce(
+            Tensor.add_,  # each chunk's sum is a fresh tensor: the first one takes the rest
+            (
+                positions_sum(*self._positions(module, calls, part), coef[part])
+                for part in _sum_chunks(batch, positions, elements)
+            ),
         )
-        assert isinstance(total, Tensor)
         kernel = module.weight.shape[2:]
         channels_last = total.view(module.out_channels, *kernel, -1)  # [O, k…, C_in/G]
         return channels_last.movedim(-1, 1).reshape(module.weight.shape)
