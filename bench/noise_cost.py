@@ -8,13 +8,16 @@ Rows (each the median of ``--repeats`` rounds; a round times every row once, in 
 rows see the same machine):
 
 - ``product``: :meth:`workers.dp.randomness.SecureStream.normal`, the noise every private step
-  draws (Box–Muller in torch on OpenSSL's AES-128-CTR keystream, 12 bytes a pair);
+  draws (Box–Muller in numpy on OpenSSL's AES-128-CTR keystream, 12 bytes a pair);
 - ``keystream``: those bytes alone (:class:`core.entropy.Keystream`);
 - ``transform``: the product's Box–Muller code alone, on bytes drawn beforehand (a copy of
   each chunk's, which the row includes);
 - ``randomgen_aes``, ``chacha20``, ``chacha8``, ``speck128``: as many bytes from randomgen's
   AES-128-CTR (``AESCounter``, the generator behind ``core.entropy.secure_generator``), ChaCha
   with SIMD and SPECK-128, as the alternatives to OpenSSL's keystream;
+- ``torch_box_muller``: the product's draw with its transform in torch's kernels, as the
+  product made it until its stop 33 (2026-11-26): the same bytes, the same formula, torch's
+  logarithm, sine and cosine;
 - ``randomgen_box_muller``: the draw as the product made it before 2026-11-26, Box–Muller in
   torch on two 53-bit uniforms a pair from ``randomgen``'s AES-CTR (16 bytes a pair);
 - ``torch_randn``: torch's own ``normal_`` (mt19937, not secure: see ``workers.dp.randomness``),
@@ -86,6 +89,30 @@ def _randomgen_box_muller(n: int) -> Callable[[], object]:
     return draw
 
 
+def _torch_box_muller(n: int) -> Callable[[], object]:
+    """The product's draw with its transform in torch's kernels (until its stop 33): per
+    chunk, the radii's 64-bit words, then the angles' 32-bit ones, from OpenSSL's keystream."""
+    keystream, out = Keystream(), torch.empty(n)
+
+    def words(nbytes: int, dtype: type) -> torch.Tensor:
+        return torch.from_numpy(keystream.next(nbytes).view(dtype))
+
+    def draw() -> None:
+        for start in range(0, n, 2 * CHUNK):
+            part = out[start : start + 2 * CHUNK]
+            half = (len(part) + 1) // 2
+            radius, sine = part[:half], part[half:]
+            m = words(8 * half, np.int64).bitwise_right_shift_(11).add_(2**52 + 1)
+            radius.copy_(m).mul_(2.0**-53).log_().mul_(-2.0).sqrt_()
+            k = words(4 * half, np.int32).bitwise_right_shift_(8)
+            angle = k.to(torch.float32).mul_(2 * math.pi * 2.0**-24)
+            cosine = torch.cos(angle)
+            torch.sin(angle[: len(sine)], out=sine).mul_(radius[: len(sine)])
+            radius.mul_(cosine)
+
+    return draw
+
+
 def rows(n: int) -> dict[str, Callable[[], object]]:
     out = torch.empty(n)
     stream, given = SecureStream(), SecureStream()
@@ -100,6 +127,7 @@ def rows(n: int) -> dict[str, Callable[[], object]]:
         "chacha20": _raw(ChaCha(rounds=20), nbytes),
         "chacha8": _raw(ChaCha(rounds=8), nbytes),
         "speck128": _raw(SPECK128(), nbytes),
+        "torch_box_muller": _torch_box_muller(n),
         "randomgen_box_muller": _randomgen_box_muller(n),
         "torch_randn": lambda: out.normal_(),
     }

@@ -15,8 +15,11 @@ Why not ``torch.Generator``: its CPU generator (mt19937) keeps only the low 32 b
 seed, so one released noisy number lets an attacker search all 2³² seeds, recover the noise
 and subtract it. AES-CTR output reveals nothing about its key.
 
-Gaussian draws use the Box–Muller transform in torch on keystream words (numpy's ziggurat on
+Gaussian draws use the Box–Muller transform in numpy on keystream words (numpy's ziggurat on
 ``randomgen``'s stream costs over twice as much: one call through the bit generator per draw).
+numpy's logarithm, sine and cosine are its own SIMD kernels (AVX-512 or AVX2 where the CPU has
+them): on the reference machine the transform in numpy takes about 0.6× the time of the same
+one in torch's kernels (``bench/noise_cost.py``), and its loops release the GIL as torch's do.
 The radius √(−2 ln v) takes a 53-bit v in (0, 1] (:func:`radii`), so the draws reach 8.57σ: a
 32-bit uniform would cut the tails at 6.66σ, and a truncated Gaussian differs from the one the
 accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per draw — over 10⁹ draws (a million
@@ -100,22 +103,19 @@ class SecureStream:
         ``CHUNK`` pairs: r·cos θ for the chunk's first half, r·sin θ for its second. Each pair
         takes 8 bytes of keystream for its radius, then (after the chunk's radii) 4 for its
         angle, 8 when ``out`` is float64 (:func:`radii`, :func:`angles`). The radii are formed
-        in ``out`` itself and each chunk's words are freed once converted, so a chunk holds at
-        most its angles, their words or cosines, and its radii's words, one at a time."""
+        in ``out`` itself, the sines too, and the cosines overwrite the angles, so a chunk
+        holds at most its radii's words, then its angles' words and the angles."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
             return out.copy_(self._box_muller(torch.empty(len(out))))
-        angle_bytes = ANGLE_BYTES[out.dtype]
-        for start in range(0, len(out), 2 * CHUNK):
-            part = out[start : start + 2 * CHUNK]
+        flat, angle_bytes = out.detach().numpy(), ANGLE_BYTES[out.dtype]
+        for start in range(0, len(flat), 2 * CHUNK):
+            part = flat[start : start + 2 * CHUNK]
             half = (len(part) + 1) // 2  # pairs: an odd tail drops its last sine
             radius, sine = part[:half], part[half:]
-            radii(torch.from_numpy(self.keystream.next(8 * half).view(np.int64)), out=radius)
-            words = self.keystream.next(angle_bytes * half).view(f"i{angle_bytes}")
-            angle = angles(torch.from_numpy(words), out.dtype)
-            del words  # the angles' words, freed before the cosines are made
-            cosine = torch.cos(angle)
-            torch.sin(angle[: len(sine)], out=sine).mul_(radius[: len(sine)])
-            radius.mul_(cosine)
+            radii(self.keystream.next(8 * half).view(np.int64), out=radius)
+            angle = angles(self.keystream.next(angle_bytes * half).view(f"i{angle_bytes}"))
+            np.multiply(np.sin(angle[: len(sine)], out=sine), radius[: len(sine)], out=sine)
+            np.multiply(radius, np.cos(angle, out=angle), out=radius)
         return out
 
     def normal_ahead(self, out: Tensor) -> Future[Tensor]:
@@ -135,26 +135,35 @@ class SecureStream:
         return generator
 
 
-def radii(words: Tensor, *, out: Tensor) -> Tensor:
+def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
     """Box–Muller radii r = √(−2 ln v) from 64-bit keystream words (overwritten), into ``out``
     (float32 or float64).
 
     v = m·2⁻⁵³ with m = (w >> 11) + 2⁵² + 1, uniform on 1, …, 2⁵³: 53 bits, v in (0, 1]
     exactly, so the tail reaches √(−2 ln 2⁻⁵³) ≈ 8.57σ (a 32-bit v would cut it at 6.66σ: see
-    the module docstring). v is rounded to ``out``'s dtype once (float32: by at most 2⁻²⁴
-    relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact) and its
-    logarithm taken in that dtype, half float64's cost in float32."""
-    m = words.bitwise_right_shift_(11).add_(2**52 + 1)
-    return out.copy_(m).mul_(2.0**-53).log_().mul_(-2.0).sqrt_()
+    the module docstring). v is rounded to ``out``'s dtype once, as m converts (float32: by at
+    most 2⁻²⁴ relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact; the
+    scaling by a power of two is exact), and its logarithm taken in that dtype, half float64's
+    cost in float32."""
+    m = np.right_shift(words, 11, out=words)
+    m += 2**52 + 1
+    np.copyto(out, m, casting="unsafe")
+    out *= 2.0**-53
+    np.log(out, out=out)
+    out *= -2.0
+    return np.sqrt(out, out=out)
 
 
-def angles(words: Tensor, dtype: torch.dtype) -> Tensor:
+def angles(words: np.ndarray) -> np.ndarray:
     """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), k their
-    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: b = 24 from 32-bit words
-    (a float32 significand, so k is exact in float32) and b = 53 from 64-bit ones (float64)."""
-    bits = 24 if words.element_size() == 4 else 53
-    k = words.bitwise_right_shift_(8 * words.element_size() - bits)
-    return k.to(dtype).mul_(2 * math.pi * 2.0**-bits)
+    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from
+    32-bit words (a float32 significand, so k is exact in float32), in float64 with b = 53
+    from 64-bit ones."""
+    bits, dtype = (24, np.float32) if words.itemsize == 4 else (53, np.float64)
+    k = np.right_shift(words, 8 * words.itemsize - bits, out=words)
+    angle = k.astype(dtype)
+    angle *= 2 * math.pi * 2.0**-bits
+    return angle
 
 
 def _drawing_thread() -> ThreadPoolExecutor:
