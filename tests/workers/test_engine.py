@@ -209,7 +209,7 @@ class Shrinking(ThresholdRule):
 def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(style, make_step):
     """Each step uses the draw made ahead for it once it is complete (a late one would
     otherwise land on the sums), scaled by that step's C_t; with an empty batch the noise is
-    the gradient."""
+    the gradient. The draw goes into the gradient buffer itself: no second model-sized one."""
     models = []
     for ahead in (False, True):
         model = mlp()
@@ -226,8 +226,13 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(s
             draw_ahead=ahead,
         )
         assert step.draw_ahead == ahead
+        buffers = set()  # the storage every step's g̃ is in, read where the optimizer reads it
+        step.optimizer.register_step_pre_hook(
+            lambda *_, step=step: buffers.add(step.optimizer.params[0].grad.data_ptr())
+        )
         for t, data in enumerate([batch(seed=1), batch(n=0), batch(seed=2), batch(seed=3)]):
             step.step([data], t)
         models.append(model)
+        assert buffers == {step.flat.data_ptr()}  # one gradient buffer, drawn ahead into too
     for inline, ahead in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(inline, ahead)

@@ -17,7 +17,7 @@ subtract their contribution from the released noisy gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -50,8 +50,8 @@ class CanaryClipper:
         targets: Tensor,
         groups: list[list[str]],
         coef_fn: CoefFn,
-        out: dict[str, Tensor] | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+        out: Mapping[str, Tensor] | None = None,
+    ) -> tuple[Tensor, Mapping[str, Tensor]]:
         is_canary = targets < 0
         norms, sums = self._real(
             model, loss_fn, inputs[~is_canary], targets[~is_canary], groups, coef_fn

@@ -14,7 +14,7 @@ accumulated in float64 and an example contributes zero to a group where its norm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -61,8 +61,8 @@ def clipped_grad_sum(
     targets: Tensor,
     groups: list[list[str]],
     coef_fn: CoefFn,
-    out: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    out: Mapping[str, Tensor] | None = None,
+) -> tuple[Tensor, Mapping[str, Tensor]]:
     """Per-sample norms [B, M] (float64) and Σ_i coef[i, m(name)]·g_i[name] for every
     parameter, added into ``out`` when given (else into zeros); an example adds nothing to a
     group where its norm is not finite (its gradients there are zeroed)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +104,9 @@ class _Layer:
             by_attr = self.rule.sq_norms(self.module, self.calls)
         return {self.params[attr]: value for attr, value in by_attr.items()}
 
-    def add_sums(self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Sums) -> None:
+    def add_sums(
+        self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
+    ) -> None:
         """Add the clipped sums of its parameters into ``out``, for factors ``coef`` (both by
         full name), from its tensors passed through ``rows`` (which zeroes dropped examples)."""
         if self.kept is not None:
@@ -138,7 +140,9 @@ class _Fallback:
     def squares(self) -> dict[str, Tensor]:
         return {name: sq_norms(g) for name, g in self.grads.items()}
 
-    def add_sums(self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Sums) -> None:
+    def add_sums(
+        self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
+    ) -> None:
         for name, g in self.grads.items():
             out[name].add_(clipped_sum(coef[name], rows(g)))
 
@@ -160,7 +164,7 @@ class _Groups:
         groups: list[list[str]],
         group_of: dict[str, int],
         coef_fn: CoefFn,
-        out: dict[str, Tensor],
+        out: Mapping[str, Tensor],
         like: Tensor,
     ) -> None:
         self.group_of, self.coef_fn, self.out = group_of, coef_fn, out
@@ -428,8 +432,8 @@ def clipped_grad_sum(
     targets: Tensor,
     groups: list[list[str]],
     coef_fn: CoefFn,
-    out: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    out: Mapping[str, Tensor] | None = None,
+) -> tuple[Tensor, Mapping[str, Tensor]]:
     """The clipper seam, fast path: ``(norms [B, M], {name: Σ_i coef[i, m(name)] · g_i[name]})``,
     the sums added into ``out`` when given (``workers.dp.engine.Clipper``).
 
