@@ -29,7 +29,7 @@ a throwaway computation that sets up the math libraries, taken before the model 
 (their one-time set-up is no column's cost), and minus the pages of shared-library code the
 first four steps mapped (``code_mb``, the growth of ``RssFile``: one-time, shared with every
 process that maps the library, and not memory a step holds; the first Gaussian draw of a
-process alone maps 2.8 MB of torch's vectorised log, cos and sin code). glibc is told to
+process maps the vectorised log, cos and sin code it runs). glibc is told to
 ``mmap`` every block over 64 KiB during those six steps, so freed tensors leave the resident
 set at once. ``first_peak_mb`` in the JSON is the peak over the first four steps, code pages
 included (about this table's measure until 2026-11-25, which also counted the model's

@@ -228,7 +228,7 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(s
         assert step.draw_ahead == ahead
         buffers = set()  # the storage every step's g̃ is in, read where the optimizer reads it
         step.optimizer.register_step_pre_hook(
-            lambda *_, step=step: buffers.add(step.optimizer.params[0].grad.data_ptr())
+            lambda *_, step=step, seen=buffers: seen.add(step.optimizer.params[0].grad.data_ptr())
         )
         for t, data in enumerate([batch(seed=1), batch(n=0), batch(seed=2), batch(seed=3)]):
             step.step([data], t)
