@@ -35,9 +35,12 @@ CoefFn = Callable[[Tensor], Tensor]
 NORM_CHUNK = 1 << 18
 # Elements of a float32 row that ``sq_norms`` sums in float32 before the partial sums are added
 # in float64: its rounding guard grows with it (``_float32_guard``). Only float32 inputs of
-# more than ``BLOCKS_ABOVE`` elements are summed so; smaller ones take one float64 reduction.
+# more than ``BLOCKS_ABOVE`` elements are summed so; smaller ones take one float64 reduction,
+# which converts its input whole: 8 bytes an element for the moment. At 2¹⁸ that transient
+# (1.5 MB for mlp's input at B = 64) set the mlp step's peak memory; at 2¹⁶ the step's time
+# is the same (docs/speed-history.md).
 NORM_BLOCK = 64
-BLOCKS_ABOVE = 1 << 18
+BLOCKS_ABOVE = 1 << 16
 # Unit roundoffs of float32 and float64, and float32's smallest normal number.
 U32, U64, TINY32 = 2.0**-24, 2.0**-53, 2.0**-126
 
