@@ -48,19 +48,20 @@ SIZES = [410_250, 2_350_335]
 
 class _Given(Keystream):
     """A keystream drawn beforehand, chunk by chunk, for the ``n`` float32 draws of a step:
-    :meth:`SecureStream.normal` on it runs the product's Box–Muller code alone. Each call
-    gives a copy of the chunk's bytes, as the product gets new ones (the transform overwrites
-    its words)."""
+    :meth:`SecureStream.normal` on it runs the product's Box–Muller code alone. Each read
+    gives a copy of the next piece's bytes, as the product gets new ones (the transform
+    overwrites its words)."""
 
     def __init__(self, n: int, key: bytes | None = None) -> None:
         super().__init__(key)
         self.drawn: list[np.ndarray] = []
         for start in range(0, n, 2 * CHUNK):
             half = (min(n - start, 2 * CHUNK) + 1) // 2
-            self.drawn += [super().next(8 * half), super().next(4 * half)]  # radii, angles
+            for nbytes in (8 * half, 4 * half):  # radii, angles
+                self.drawn.append(super().read(self.claim(nbytes), nbytes))
         self.calls = 0
 
-    def next(self, nbytes: int) -> np.ndarray:
+    def read(self, start: int, nbytes: int) -> np.ndarray:
         drawn = self.drawn[self.calls % len(self.drawn)]
         self.calls += 1
         assert len(drawn) == nbytes, "the draws must come in the order they were made"

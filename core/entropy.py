@@ -38,30 +38,57 @@ def secure_generator() -> np.random.Generator:
     return np.random.Generator(AESCounter(key=secrets.randbits(128), counter=0))
 
 
-def aes_ctr(key: bytes) -> CipherContext:
-    """AES-CTR encryption under ``key`` from counter block 0: encrypting zeros gives the
-    keystream AES_k(0), AES_k(1), … (the counter a big-endian 128-bit integer)."""
-    return Cipher(algorithms.AES(key), modes.CTR(bytes(BLOCK))).encryptor()
+def aes_ctr(key: bytes, block: int = 0) -> CipherContext:
+    """AES-CTR encryption under ``key`` from counter block ``block``: encrypting zeros gives the
+    keystream AES_k(block), AES_k(block + 1), … (the counter a big-endian 128-bit integer)."""
+    return Cipher(algorithms.AES(key), modes.CTR(block.to_bytes(BLOCK, "big"))).encryptor()
+
+
+def _zero_bytes(nbytes: int) -> bytes:
+    """At least ``nbytes`` zeros (the plaintext of a keystream), grown on demand."""
+    global _zeros
+    zeros = _zeros
+    if len(zeros) < nbytes:
+        zeros = _zeros = bytes(nbytes)
+    return zeros
 
 
 class Keystream:
     """AES-128-CTR's keystream, as bytes on demand: the encryption of zeros. Its key is fresh
     from OS entropy unless one is given (the product never gives one; a test replays a stream
     with its key). Output reveals nothing about the key, and no two fresh keystreams share one
-    (2⁻¹²⁸ per pair)."""
+    (2⁻¹²⁸ per pair).
+
+    The stream is read in order (:meth:`next`), or its next bytes are claimed (:meth:`claim`)
+    and read later, from any thread, in any order (:meth:`read`): CTR's keystream at byte s is
+    AES_k(⌊s/16⌋) onwards, so a draw split in parts can be made by two threads at once, each
+    part from its own place in the stream. Every byte is given out once: a claim moves the
+    stream past the bytes it claims."""
 
     def __init__(self, key: bytes | None = None) -> None:
-        self._cipher = aes_ctr(secrets.token_bytes(16) if key is None else key)
+        self._key = secrets.token_bytes(16) if key is None else key
+        self._position = 0  # bytes given out or claimed so far
+
+    def claim(self, nbytes: int) -> int:
+        """Claim the stream's next ``nbytes`` bytes (for :meth:`read`); where they start."""
+        start, self._position = self._position, self._position + nbytes
+        return start
+
+    def read(self, start: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` bytes of the stream from byte ``start`` (claimed), in a new array
+        whose start is aligned for 8-byte words, so wider words view it in place (nothing is
+        held between reads: a step's peak memory reuses what its noise draw freed)."""
+        block, lead = divmod(start, BLOCK)
+        total = lead + nbytes
+        buffer = np.empty(total + BLOCK + 8, dtype=np.uint8)  # OpenSSL may write a block more
+        shift = -(buffer.ctypes.data + lead) % 8
+        written = aes_ctr(self._key, block).update_into(
+            memoryview(_zero_bytes(total))[:total], buffer[shift:].data
+        )
+        if written != total:  # CTR is a stream mode: every byte in gives one out
+            raise RuntimeError(f"AES-CTR gave {written} bytes of {total}")
+        return buffer[shift + lead : shift + total]
 
     def next(self, nbytes: int) -> np.ndarray:
-        """The stream's next ``nbytes`` bytes, in a new array (nothing is held between draws:
-        a step's peak memory reuses what its noise draw freed); its start is aligned for
-        8-byte words (malloc's 16), so wider words view it in place."""
-        global _zeros
-        if len(_zeros) < nbytes:
-            _zeros = bytes(nbytes)
-        array = np.empty(nbytes + BLOCK, dtype=np.uint8)
-        written = self._cipher.update_into(memoryview(_zeros)[:nbytes], array.data)
-        if written != nbytes:  # CTR is a stream mode: every byte in gives one out
-            raise RuntimeError(f"AES-CTR gave {written} bytes of {nbytes}")
-        return array[:nbytes]
+        """The stream's next ``nbytes`` bytes (:meth:`read` of a :meth:`claim`)."""
+        return self.read(self.claim(nbytes), nbytes)

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,12 +203,13 @@ def test_hold_out_partitions_the_data() -> None:
 
 
 class Chosen(Keystream):
-    """Test double: a keystream that gives the bytes it was given, one piece a call."""
+    """Test double: a keystream that gives the bytes it was given, one piece a read."""
 
     def __init__(self, *pieces: bytes) -> None:
+        super().__init__(bytes(16))
         self.pieces = list(pieces)
 
-    def next(self, nbytes: int) -> np.ndarray:
+    def read(self, start: int, nbytes: int) -> np.ndarray:
         piece = self.pieces.pop(0)
         assert nbytes == len(piece)
         return np.frombuffer(bytearray(piece), dtype=np.uint8)
@@ -234,22 +236,66 @@ def test_box_muller_reaches_the_tails_of_53_bit_uniforms(radius_word, angle_word
     assert drawn == pytest.approx(z, rel=1e-6, abs=1e-12)
 
 
+class Watched(Keystream):
+    """Test double: a keyed keystream that records which thread read which bytes, and whose
+    reads on the noise thread take ``lag`` seconds longer."""
+
+    def __init__(self, key: bytes, lag: float = 0.0) -> None:
+        super().__init__(key)
+        self.lag, self.reads = lag, []
+
+    def read(self, start: int, nbytes: int) -> np.ndarray:
+        thread = threading.current_thread().name
+        self.reads.append((thread, start))
+        if thread.startswith("dptune-noise"):
+            time.sleep(self.lag)
+        return super().read(start, nbytes)
+
+
 def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -> None:
-    threads: list[str] = []
-
-    class Recording(SecureStream):  # test double: records the thread of every draw
-        def normal(self, shape, *, out):  # type: ignore[override]
-            threads.append(threading.current_thread().name)
-            return super().normal(shape, out=out)
-
     key, out = b"drawn ahead, too", torch.empty(1000)
-    ahead, plain = Recording(), SecureStream()
-    ahead.keystream, plain.keystream = Keystream(key), Keystream(key)
+    ahead, plain = SecureStream(), SecureStream()
+    ahead.keystream, plain.keystream = Watched(key), Keystream(key)
     for _ in range(3):  # three steps of three trials: one thread for them all
-        assert ahead.normal_ahead(out).result() is out
+        drawing = ahead.normal_ahead(out)
+        deadline = time.monotonic() + 10
+        while not drawing.done() and time.monotonic() < deadline:
+            time.sleep(0.001)  # nobody waits for it: the thread makes all of it
+        assert drawing.result() is out
         assert torch.equal(out, plain.normal(1000))
-    assert len(set(threads)) == 1 and threads[0].startswith("dptune-noise")
+    threads = {thread for thread, _ in ahead.keystream.reads}
+    assert len(threads) == 1 and threads.pop().startswith("dptune-noise")
     assert sum(t.name.startswith("dptune-noise") for t in threading.enumerate()) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_whoever_waits_for_noise_draws_its_remaining_chunks_to_the_same_bits(dtype) -> None:
+    """A draw asked for before it is done is finished by both threads, each chunk once, from
+    its own place in the keystream: the same draw as one thread makes, and the stream goes on
+    after it as after that one."""
+    key, n = bytes(range(16, 32)), 5 * 2 * randomness.CHUNK + 7  # six chunks, the last short
+    helped, plain = SecureStream(), SecureStream()
+    helped.keystream, plain.keystream = Watched(key, lag=0.05), Keystream(key)
+    out = torch.empty(n, dtype=dtype)
+    assert helped.normal_ahead(out).result() is out
+    assert torch.equal(out, plain.normal(n, dtype=dtype))
+    starts = {}
+    for thread, start in helped.keystream.reads:
+        starts.setdefault(thread.startswith("dptune-noise"), []).append(start)
+    assert starts[True] and starts[False]  # both made chunks
+    every = sorted(starts[True] + starts[False])
+    assert len(every) == len(set(every)) == 2 * 6  # radii and angles of each chunk, once
+    assert torch.equal(helped.normal(99, dtype=dtype), plain.normal(99, dtype=dtype))
+
+
+@pytest.mark.parametrize("start", [0, 5, 16, 37, 1000])
+def test_the_keystream_read_anywhere_is_aes_of_the_counter_blocks(start: int) -> None:
+    key = bytes(range(16))
+    stream = Keystream(key)
+    assert stream.claim(start) == 0 and stream.claim(50) == start
+    read = stream.read(start, 50)
+    assert read.ctypes.data % 8 == 0  # aligned for 8-byte words
+    assert read.tobytes() == _aes_blocks(key, start + 50)[start:]
 
 
 def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
@@ -267,12 +313,14 @@ def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
 
 
 def test_a_failed_draw_ahead_raises_where_its_noise_is_needed() -> None:
-    class Failing(SecureStream):  # test double
-        def normal(self, shape, *, out):  # type: ignore[override]
+    class Failing(Keystream):  # test double
+        def read(self, start: int, nbytes: int) -> np.ndarray:
             raise OSError("entropy source gone")
 
+    stream = SecureStream()
+    stream.keystream = Failing()
     with pytest.raises(OSError, match="entropy source gone"):
-        Failing().normal_ahead(torch.empty(8)).result()
+        stream.normal_ahead(torch.empty(8)).result()
 
 
 def test_noise_is_drawn_ahead_only_with_a_core_to_spare() -> None:

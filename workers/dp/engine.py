@@ -15,7 +15,9 @@ threads leave free: a model-sized draw from the AES-CTR stream costs as much as 
 non-private step of a small model (issue 15). It is drawn into the gradient buffer itself, from
 the end of step t (once the optimizer has read g̃_t) until step t + 1 first adds a clipped sum:
 it overlaps whatever the trial does between steps and step t + 1's forward pass, backward pass
-and norms, and the clipper's first sum waits for it (:class:`_AfterDraw`). Nothing the
+and norms, and the clipper's first sum waits for it (:class:`_AfterDraw`), making the draw's
+chunks that the noise thread has not begun meanwhile (``workers.dp.randomness.Drawing``: the
+same bits, each chunk from its own place in the keystream). Nothing the
 guarantee rests on changes: z_{t+1} is the stream's next draw, used by step t + 1 alone, and
 scaled by σ_T·C_{t+1} there as in line; a draw left over when training stops is never used. No
 second buffer: until this release the draw went into a second model-sized buffer during the
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +39,7 @@ from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn
 from workers.dp.optim import AdamBC, Optimizer
-from workers.dp.randomness import SecureStream
+from workers.dp.randomness import Drawing, SecureStream
 
 
 class Clipper(Protocol):
@@ -127,7 +128,7 @@ class PrivateStep:
         self.views = self._views(self.flat)
         #: drawing ahead into ``flat`` (see the module; CUDA draws on the device anyway)
         self.draw_ahead = draw_ahead and self.flat.device.type == "cpu"
-        self.ahead: Future[Tensor] | None = None
+        self.ahead: Drawing | None = None
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]

@@ -38,10 +38,12 @@ that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.Pr
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,29 +101,19 @@ class SecureStream:
         return out
 
     def _box_muller(self, out: Tensor) -> Tensor:
-        """Fill the flat CPU tensor ``out`` with standard normals, in chunks of at most
-        ``CHUNK`` pairs: r·cos θ for the chunk's first half, r·sin θ for its second. Each pair
-        takes 8 bytes of keystream for its radius, then (after the chunk's radii) 4 for its
-        angle, 8 when ``out`` is float64 (:func:`radii`, :func:`angles`). The radii are formed
-        in ``out`` itself, the sines too, and the cosines overwrite the angles, so a chunk
-        holds at most its radii's words, then its angles' words and the angles."""
+        """Fill the flat CPU tensor ``out`` with standard normals (:class:`_BoxMuller`)."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
             return out.copy_(self._box_muller(torch.empty(len(out))))
-        flat, angle_bytes = out.detach().numpy(), ANGLE_BYTES[out.dtype]
-        for start in range(0, len(flat), 2 * CHUNK):
-            part = flat[start : start + 2 * CHUNK]
-            half = (len(part) + 1) // 2  # pairs: an odd tail drops its last sine
-            radius, sine = part[:half], part[half:]
-            radii(self.keystream.next(8 * half).view(np.int64), out=radius)
-            angle = angles(self.keystream.next(angle_bytes * half).view(f"i{angle_bytes}"))
-            np.multiply(np.sin(angle[: len(sine)], out=sine), radius[: len(sine)], out=sine)
-            np.multiply(radius, np.cos(angle, out=angle), out=radius)
+        _BoxMuller(self.keystream, out).run()
         return out
 
-    def normal_ahead(self, out: Tensor) -> Future[Tensor]:
-        """Start drawing standard normals into ``out`` on the process's one noise thread (its
-        trials run one at a time); the future holds ``out`` when done, or the draw's error."""
-        return _drawing_thread().submit(self.normal, out.shape, out=out)
+    def normal_ahead(self, out: Tensor) -> Drawing:
+        """Start drawing standard normals into the contiguous tensor ``out`` on the process's
+        one noise thread (its trials run one at a time): :meth:`normal`'s draw, to the bit."""
+        if out.device.type != "cpu" or out.dtype not in ANGLE_BYTES or not out.is_contiguous():
+            return Drawing(out, None, _drawing_thread().submit(self.normal, out.shape, out=out))
+        draw = _BoxMuller(self.keystream, out)
+        return Drawing(out, draw, _drawing_thread().submit(draw.run))
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
@@ -133,6 +125,65 @@ class SecureStream:
         generator.manual_seed(self.integers(2**63))
         generator.set_offset(4 * self.integers(2**61))  # Philox offsets advance in fours
         return generator
+
+
+class _BoxMuller:
+    """One draw of standard normals into the flat float32 or float64 CPU tensor ``out``, in
+    chunks of at most ``CHUNK`` pairs: r·cos θ for a chunk's first half, r·sin θ for its
+    second. Each pair takes 8 bytes of keystream for its radius, then (after the chunk's radii)
+    4 for its angle, 8 when ``out`` is float64 (:func:`radii`, :func:`angles`): the chunks'
+    bytes are claimed in order when the draw is planned, so they are the bytes one thread
+    reading the stream would have read, and any thread may make any chunk. :meth:`run` makes
+    chunks until none is left, and two threads may run it at once: each chunk is taken once
+    (``itertools.count``, whose ``next`` is atomic) and writes its own part of ``out``.
+
+    Within a chunk the radii are formed in ``out`` itself, the sines too, and the cosines
+    overwrite the angles, so a chunk holds at most its radii's words, then its angles' words
+    and the angles."""
+
+    def __init__(self, keystream: Keystream, out: Tensor) -> None:
+        self.keystream, self.flat = keystream, out.detach().view(-1).numpy()
+        self.angle_bytes = ANGLE_BYTES[out.dtype]
+        self.chunks: list[tuple[int, int, int]] = []  # start, stop in ``out``; keystream byte
+        for start in range(0, len(self.flat), 2 * CHUNK):
+            stop = min(start + 2 * CHUNK, len(self.flat))
+            half = (stop - start + 1) // 2  # pairs: an odd tail drops its last sine
+            self.chunks.append((start, stop, keystream.claim((8 + self.angle_bytes) * half)))
+        self._taken = itertools.count()
+
+    def run(self) -> None:
+        while (index := next(self._taken)) < len(self.chunks):
+            self._chunk(*self.chunks[index])
+
+    def _chunk(self, start: int, stop: int, at: int) -> None:
+        part = self.flat[start:stop]
+        half = (len(part) + 1) // 2
+        radius, sine = part[:half], part[half:]
+        radii(self.keystream.read(at, 8 * half).view(np.int64), out=radius)
+        words = self.keystream.read(at + 8 * half, self.angle_bytes * half)
+        angle = angles(words.view(f"i{self.angle_bytes}"))
+        np.multiply(np.sin(angle[: len(sine)], out=sine), radius[: len(sine)], out=sine)
+        np.multiply(radius, np.cos(angle, out=angle), out=radius)
+
+
+class Drawing:
+    """Standard normals being drawn into ``out`` on the noise thread. :meth:`result` waits for
+    them, and meanwhile makes the draw's chunks that the thread has not begun: whoever asks for
+    noise that is not ready has nothing else to do, and on a spare core the two halve what is
+    left (``workers.dp.engine``: logreg's step at B = 64 waited for its draw)."""
+
+    def __init__(self, out: Tensor, draw: _BoxMuller | None, future: Future[Any]) -> None:
+        self.out, self._draw, self._future = out, draw, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Tensor:
+        """``out`` once drawn (the thread's error, if its part failed)."""
+        if self._draw is not None and not self._future.done():
+            self._draw.run()
+        self._future.result(timeout)
+        return self.out
 
 
 def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
