@@ -109,8 +109,11 @@ class SecureStream:
 
     def normal_ahead(self, out: Tensor) -> Drawing:
         """Start drawing standard normals into the contiguous tensor ``out`` on the process's
-        one noise thread (its trials run one at a time): :meth:`normal`'s draw, to the bit."""
-        if out.device.type != "cpu" or out.dtype not in ANGLE_BYTES or not out.is_contiguous():
+        one noise thread (its trials run one at a time): :meth:`normal`'s draw, to the bit. A
+        subclass that changes :meth:`normal` (the audit's scaled noise) draws through it, and
+        whoever waits for that draw only waits."""
+        plain = type(self).normal is SecureStream.normal and out.is_contiguous()
+        if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
             return Drawing(out, None, _drawing_thread().submit(self.normal, out.shape, out=out))
         draw = _BoxMuller(self.keystream, out)
         return Drawing(out, draw, _drawing_thread().submit(draw.run))
