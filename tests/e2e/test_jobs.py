@@ -286,7 +286,7 @@ def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
 
 def test_cancel_charges_what_ran(service, digits) -> None:
     spec = small_job(digits)
-    spec["epochs"] = 30
+    spec["epochs"] = 400  # trials of many seconds: the cancel lands while the job runs
     job = service.post("/v1/jobs", spec)
     service.wait(job["id"], until=lambda j: service.get(f"/v1/jobs/{j['id']}/trials") != [])
     service.post(f"/v1/jobs/{job['id']}/cancel", {})
