@@ -40,7 +40,8 @@ import torch
 from randomgen import SPECK128, AESCounter, ChaCha
 
 from core.entropy import Keystream
-from workers.dp.randomness import CHUNK, SecureStream
+from workers.dp.randomness import SecureStream
+from workers.gaussian import CHUNK
 
 #: parameter counts of two of ``bench/step_overhead.py``'s models: mlp and logreg
 SIZES = [410_250, 2_350_335]

@@ -26,10 +26,14 @@ transient: on CUDA ``torch.cuda.max_memory_allocated`` (reset after the fourth s
 the process's peak resident set during those steps (VmHWM, reset through
 ``/proc/self/clear_refs`` after the fourth step) minus the resident set after every import and
 a throwaway computation that sets up the math libraries, taken before the model is built
-(their one-time set-up is no column's cost), and minus the pages of shared-library code the
-first four steps mapped (``code_mb``, the growth of ``RssFile``: one-time, shared with every
-process that maps the library, and not memory a step holds; the first Gaussian draw of a
-process maps the vectorised log, cos and sin code it runs). glibc is told to
+(their one-time set-up is no column's cost), plus the noise process's own peak over the same
+steps above its private memory before its first draw (its interpreter and libraries are not
+counted, as this process's imports are not; the gradient buffer the two share counts once,
+here; the sum of the two peaks bounds the peak of the two together), and minus
+the pages of shared-library code the first four steps mapped (``code_mb``, the growth of
+``RssFile``: one-time, shared with every process that maps the library, and not memory a step
+holds; the first Gaussian draw of a process maps the vectorised log, cos and sin code it
+runs). glibc is told to
 ``mmap`` every block over 64 KiB during those six steps, so freed tensors leave the resident
 set at once. ``first_peak_mb`` in the JSON is the peak over the first four steps, code pages
 included (about this table's measure until 2026-11-25, which also counted the model's
@@ -80,6 +84,8 @@ MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
 }
 # Columns that hold every per-sample gradient at once (B x #params floats).
 MATERIALIZING = {"general", "opacus_hooks"}
+# The noise process's private memory before its first draw, by pid (``_noise_process_peak_kb``)
+_noise_idle_kb: dict[int, int] = {}
 # Steps of a column in a row when columns take turns (``interleaved``); the first is not timed.
 ROUND_STEPS = 3
 
@@ -99,11 +105,19 @@ class Result:
 
 
 # ------------------------------------------------------------------ one run (in a subprocess)
-def _proc_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _proc_kb(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def _noise_process_pid() -> int | None:
+    """The pid of this process's noise process (``workers.noise_process``), if it runs (not
+    imported here: a step that draws no noise maps none of its libraries)."""
+    noise_process = sys.modules.get("workers.noise_process")
+    process = noise_process.current() if noise_process else None
+    return process.pid if process is not None else None
 
 
 def _mmap_threshold(size: int) -> None:
@@ -186,15 +200,17 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: bool):
     """The product's step as every DP column of these benchmarks runs it: ``clipper``, Abadi's
     function at R = 1, σ = 1, ``noise`` into one flat buffer (drawn ahead if ``draw_ahead``),
-    SGD."""
+    SGD. Drawn ahead, the noise is made in the noise process, which has started when this
+    returns."""
     import torch
     from torch import nn
 
+    from workers import noise_process
     from workers.dp.adaptive import ThresholdRule
     from workers.dp.clipping import resolve_groups
     from workers.dp.engine import PrivateStep
 
-    return PrivateStep(
+    step = PrivateStep(
         model,
         nn.CrossEntropyLoss(reduction="none"),
         resolve_groups(model, style),
@@ -208,6 +224,12 @@ def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: b
         noise=noise,
         draw_ahead=draw_ahead,
     )
+    process = noise_process.current()
+    while step.draw_ahead and process is not None and not process.ready():
+        time.sleep(0.01)  # until it has started (0.2 s), draws are made on a thread
+    if step.draw_ahead and process is not None:
+        _noise_idle_kb.setdefault(process.pid, _proc_kb("RssAnon", process.pid))
+    return step
 
 
 def _opacus_step(model, optimizer, x, y, mode: str) -> Callable[[], None]:
@@ -283,10 +305,20 @@ def _peak_over(step: Callable[[], None], cuda: bool, base_kb: float, steps: int)
             step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    child = _noise_process_pid()
+    for pid in ("self", child) if child else ("self",):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     for _ in range(steps):
         step()
-    return (_proc_kb("VmHWM") - base_kb) / 1024
+    return (_proc_kb("VmHWM") - base_kb + (_noise_process_peak_kb(child) if child else 0)) / 1024
+
+
+def _noise_process_peak_kb(pid: int) -> int:
+    """The noise process's peak over the steps since its VmHWM was reset, less what it held
+    before its first draw (``_noise_idle_kb``) and less its file and shared pages (the
+    library code its first draw mapped; the gradient buffer, counted in this process)."""
+    mapped = _proc_kb("RssFile", pid) + _proc_kb("RssShmem", pid)
+    return _proc_kb("VmHWM", pid) - mapped - _noise_idle_kb[pid]
 
 
 def run_one(

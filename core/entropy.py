@@ -69,6 +69,12 @@ class Keystream:
         self._key = secrets.token_bytes(16) if key is None else key
         self._position = 0  # bytes given out or claimed so far
 
+    @property
+    def key(self) -> bytes:
+        """The cipher's key, for the trial's noise process, which reads claimed bytes too
+        (``workers.noise_process``): never stored, logged or sent anywhere else."""
+        return self._key
+
     def claim(self, nbytes: int) -> int:
         """Claim the stream's next ``nbytes`` bytes (for :meth:`read`); where they start."""
         start, self._position = self._position, self._position + nbytes

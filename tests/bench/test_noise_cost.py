@@ -8,7 +8,8 @@ import torch
 
 from core.entropy import Keystream
 from workers.dp import randomness
-from workers.dp.randomness import CHUNK, SecureStream
+from workers.dp.randomness import SecureStream
+from workers.gaussian import CHUNK
 
 
 def test_every_row_is_timed_and_shown_as_a_ratio_to_the_product(bench, capsys) -> None:

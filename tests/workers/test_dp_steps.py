@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 from torch import nn
 
-from workers.dp.randomness import CHUNK, SecureStream
+from workers.dp.randomness import SecureStream
+from workers.gaussian import CHUNK
 
 
 def test_normal_fills_a_buffer_in_place_across_chunks_and_odd_sizes() -> None:

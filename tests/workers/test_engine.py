@@ -12,6 +12,7 @@ from torch import nn
 from core.config import ModelConfig
 from core.entropy import Keystream
 from core.sampling import num_steps, sample_rate
+from workers import gaussian, noise_process
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
@@ -194,12 +195,18 @@ class SlowKeystream(Keystream):
         return super().read(start, nbytes)
 
 
-class SlowKeyed(SecureStream):
-    """Test double: a stream with a fixed key whose every draw is 100 ms late."""
+class Keyed(SecureStream):
+    """Test double: a stream with a fixed key."""
 
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, keystream: type[Keystream] = Keystream) -> None:
         self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
-        self.keystream = SlowKeystream(key.to_bytes(16, "little"))
+        self.keystream = keystream(key.to_bytes(16, "little"))
+
+
+def slow_keyed(key: int) -> Keyed:
+    """A keyed stream whose every draw is 100 ms late (drawn ahead, on the noise thread: the
+    noise process reads only a plain keystream)."""
+    return Keyed(key, SlowKeystream)
 
 
 class Shrinking(ThresholdRule):
@@ -210,19 +217,27 @@ class Shrinking(ThresholdRule):
 
 
 @pytest.mark.parametrize("style", ["all_layer", "layer_wise"])
-def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(style, make_step):
+@pytest.mark.parametrize("where", ["late, on the noise thread", "in the noise process"])
+def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(
+    style, where, make_step, monkeypatch
+):
     """Each step uses the draw made ahead for it once it is complete (a late one would
     otherwise land on the sums), scaled by that step's C_t; with an empty batch the noise is
-    the gradient. The draw goes into the gradient buffer itself: no second model-sized one."""
+    the gradient. The draw goes into the gradient buffer itself: no second model-sized one.
+    In the noise process, it is made there: after the first step (whose draw is needed as
+    soon as it is asked for), nothing here made a chunk of it."""
+    made_here = []
+    monkeypatch.setattr(noise_process, "make", lambda *args: made_here.append(gaussian.make(*args)))
     models = []
     for ahead in (False, True):
         model = mlp()
+        late = where.startswith("late")
         step = make_step(
             model,
             noise=1.0,
             threshold=0.5,
             expected=6,
-            stream=SlowKeyed(2**90 + 3),
+            stream=slow_keyed(2**90 + 3) if late else Keyed(2**90 + 3),
             style=style,
             clipper=fast_clipped_grad_sum,
             rule=Shrinking(0.5),
@@ -234,9 +249,16 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(s
         step.optimizer.register_step_pre_hook(
             lambda *_, step=step, seen=buffers: seen.add(step.optimizer.params[0].grad.data_ptr())
         )
+        process = noise_process.current()
+        while ahead and not late and not process.ready():
+            time.sleep(0.01)  # (draws asked for before it starts are made on the thread)
         for t, data in enumerate([batch(seed=1), batch(n=0), batch(seed=2), batch(seed=3)]):
             step.step([data], t)
+            time.sleep(0.05 if ahead and not late else 0)  # the trial's work between steps
+            if t == 0:
+                made_here.clear()  # the first step's draw is needed as soon as it is asked for
         models.append(model)
         assert buffers == {step.flat.data_ptr()}  # one gradient buffer, drawn ahead into too
     for inline, ahead in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(inline, ahead)
+    assert late or not made_here

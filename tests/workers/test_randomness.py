@@ -22,8 +22,8 @@ from scipy import stats
 
 from core.config import TrialConfig
 from core.entropy import Keystream
+from workers import gaussian
 from workers.data import Dataset, hold_out
-from workers.dp import randomness
 from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
 from workers.dp.sampling import poisson_batches
 from workers.trial import run_trial
@@ -118,7 +118,7 @@ def test_gaussians_are_box_muller_of_the_keystream(dtype: torch.dtype) -> None:
     draw, 8.6) of the same formula from Python's ``math`` in float64, so that the SIMD
     functions the product uses are checked against an independent computation."""
     key = bytes(range(16))
-    pairs = randomness.CHUNK + 3  # a whole chunk, then a short one with an odd tail
+    pairs = gaussian.CHUNK + 3  # a whole chunk, then a short one with an odd tail
     n = 2 * pairs - 1
     stream = SecureStream()
     stream.keystream = Keystream(key)
@@ -126,7 +126,7 @@ def test_gaussians_are_box_muller_of_the_keystream(dtype: torch.dtype) -> None:
     angle_bytes, bits = (4, 24) if dtype == torch.float32 else (8, 53)
     words = np.frombuffer(_aes_blocks(key, (8 + angle_bytes) * pairs), dtype=np.uint8)
     expected, exact, start = [], [], 0
-    for size in (randomness.CHUNK, pairs - randomness.CHUNK):
+    for size in (gaussian.CHUNK, pairs - gaussian.CHUNK):
         w = words[start : start + 8 * size].view("<i8")
         a = words[start + 8 * size : start + (8 + angle_bytes) * size].view(f"<i{angle_bytes}")
         start += (8 + angle_bytes) * size
@@ -273,7 +273,7 @@ def test_whoever_waits_for_noise_draws_its_remaining_chunks_to_the_same_bits(dty
     """A draw asked for before it is done is finished by both threads, each chunk once, from
     its own place in the keystream: the same draw as one thread makes, and the stream goes on
     after it as after that one."""
-    key, n = bytes(range(16, 32)), 5 * 2 * randomness.CHUNK + 7  # six chunks, the last short
+    key, n = bytes(range(16, 32)), 5 * 2 * gaussian.CHUNK + 7  # six chunks, the last short
     helped, plain = SecureStream(), SecureStream()
     helped.keystream, plain.keystream = Watched(key, lag=0.05), Keystream(key)
     out = torch.empty(n, dtype=dtype)

@@ -19,13 +19,13 @@ Gaussian draws use the Box–Muller transform in numpy on keystream words (numpy
 ``randomgen``'s stream costs over twice as much: one call through the bit generator per draw).
 numpy's logarithm, sine and cosine are its own SIMD kernels (AVX-512 or AVX2 where the CPU has
 them): on the reference machine the transform in numpy takes about 0.6× the time of the same
-one in torch's kernels (``bench/noise_cost.py``), and its loops release the GIL as torch's do.
-The radius √(−2 ln v) takes a 53-bit v in (0, 1] (:func:`radii`), so the draws reach 8.57σ: a
-32-bit uniform would cut the tails at 6.66σ, and a truncated Gaussian differs from the one the
-accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per draw — over 10⁹ draws (a million
-parameters, a thousand steps) more than a typical δ; at 8.57σ it is about 10⁻¹⁷ per draw. The
-angle takes as many bits as the output's significand holds, 24 for float32 noise
-(:func:`angles`): 12 bytes of keystream a pair, where two 53-bit uniforms took 16.
+one in torch's kernels (``bench/noise_cost.py``), and its loops release the GIL as torch's do
+(the transform: ``workers.gaussian``). The radius √(−2 ln v) takes a 53-bit v in (0, 1], so
+the draws reach 8.57σ: a 32-bit uniform would cut the tails at 6.66σ, and a truncated
+Gaussian differs from the one the accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per draw —
+over 10⁹ draws (a million parameters, a thousand steps) more than a typical δ; at 8.57σ it is
+about 10⁻¹⁷ per draw. The angle takes as many bits as the output's significand holds, 24 for
+float32 noise: 12 bytes of keystream a pair, where two 53-bit uniforms took 16.
 
 On CUDA, copying host-generated noise for a large model every step would dominate the step, so
 Gaussian draws are made on the device by torch's Philox generator, re-keyed for every draw from
@@ -33,27 +33,28 @@ the AES stream with a 63-bit key and a 61-bit counter offset (124 bits per draw 
 attacker would have to search, each draw independent of the others).
 
 On CPU the engine may draw a step's noise ahead (:meth:`SecureStream.normal_ahead`, on a core
-that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.PrivateStep``.
+that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.PrivateStep``. It
+is drawn in the trial's noise process (``workers.noise_process``: a thread beside the step
+would take turns with it on Python's GIL), straight into the gradient buffer they share.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from core.entropy import Keystream, secure_generator
+from workers.gaussian import BoxMuller
+from workers.noise_process import current as current_noise_process
+from workers.noise_process import noise_process
 
-#: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
-CHUNK = 1 << 16
-#: the bytes of keystream an angle takes, by the noise's dtype (:func:`angles`)
+#: the bytes of keystream an angle takes, by the noise's dtype (``workers.gaussian.angles``)
 ANGLE_BYTES = {torch.float32: 4, torch.float64: 8}
 #: the process that owns it, and the thread that draws noise ahead in that process
 _noise_thread: tuple[int, ThreadPoolExecutor] | None = None
@@ -104,19 +105,27 @@ class SecureStream:
         """Fill the flat CPU tensor ``out`` with standard normals (:class:`_BoxMuller`)."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
             return out.copy_(self._box_muller(torch.empty(len(out))))
-        _BoxMuller(self.keystream, out).run()
+        BoxMuller(self.keystream, out.detach().numpy()).run()
         return out
 
     def normal_ahead(self, out: Tensor) -> Drawing:
-        """Start drawing standard normals into the contiguous tensor ``out`` on the process's
-        one noise thread (its trials run one at a time): :meth:`normal`'s draw, to the bit. A
-        subclass that changes :meth:`normal` (the audit's scaled noise) draws through it, and
-        whoever waits for that draw only waits."""
+        """Start drawing standard normals into the contiguous tensor ``out`` beside the caller:
+        :meth:`normal`'s draw, to the bit. Into a buffer shared with the noise process
+        (:func:`noise_buffer`), the draw is made there once that process has started; else on
+        this process's one noise thread (its trials run one at a time). A subclass that
+        changes :meth:`normal` (the audit's scaled noise) draws through it on the thread, and
+        whoever waits for that draw only waits; a keystream of a subclass (a test's double)
+        is read in this process."""
         plain = type(self).normal is SecureStream.normal and out.is_contiguous()
         if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
-            return Drawing(out, None, _drawing_thread().submit(self.normal, out.shape, out=out))
-        draw = _BoxMuller(self.keystream, out)
-        return Drawing(out, draw, _drawing_thread().submit(draw.run))
+            pending = _OnThread(None, _drawing_thread().submit(self.normal, out.shape, out=out))
+            return Drawing(out, pending)
+        flat, process = out.detach().view(-1).numpy(), current_noise_process()
+        shared = process is not None and process.shares(flat) and process.ready()
+        if shared and type(self.keystream) is Keystream:
+            return Drawing(out, process.draw(self.keystream, flat))
+        draw = BoxMuller(self.keystream, flat)
+        return Drawing(out, _OnThread(draw, _drawing_thread().submit(draw.run)))
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
@@ -130,94 +139,54 @@ class SecureStream:
         return generator
 
 
-class _BoxMuller:
-    """One draw of standard normals into the flat float32 or float64 CPU tensor ``out``, in
-    chunks of at most ``CHUNK`` pairs: r·cos θ for a chunk's first half, r·sin θ for its
-    second. Each pair takes 8 bytes of keystream for its radius, then (after the chunk's radii)
-    4 for its angle, 8 when ``out`` is float64 (:func:`radii`, :func:`angles`): the chunks'
-    bytes are claimed in order when the draw is planned, so they are the bytes one thread
-    reading the stream would have read, and any thread may make any chunk. :meth:`run` makes
-    chunks until none is left, and two threads may run it at once: each chunk is taken once
-    (``itertools.count``, whose ``next`` is atomic) and writes its own part of ``out``.
-
-    Within a chunk the radii are formed in ``out`` itself, the sines too, and the cosines
-    overwrite the angles, so a chunk holds at most its radii's words, then its angles' words
-    and the angles."""
-
-    def __init__(self, keystream: Keystream, out: Tensor) -> None:
-        self.keystream, self.flat = keystream, out.detach().view(-1).numpy()
-        self.angle_bytes = ANGLE_BYTES[out.dtype]
-        self.chunks: list[tuple[int, int, int]] = []  # start, stop in ``out``; keystream byte
-        for start in range(0, len(self.flat), 2 * CHUNK):
-            stop = min(start + 2 * CHUNK, len(self.flat))
-            half = (stop - start + 1) // 2  # pairs: an odd tail drops its last sine
-            self.chunks.append((start, stop, keystream.claim((8 + self.angle_bytes) * half)))
-        self._taken = itertools.count()
-
-    def run(self) -> None:
-        while (index := next(self._taken)) < len(self.chunks):
-            self._chunk(*self.chunks[index])
-
-    def _chunk(self, start: int, stop: int, at: int) -> None:
-        part = self.flat[start:stop]
-        half = (len(part) + 1) // 2
-        radius, sine = part[:half], part[half:]
-        radii(self.keystream.read(at, 8 * half).view(np.int64), out=radius)
-        words = self.keystream.read(at + 8 * half, self.angle_bytes * half)
-        angle = angles(words.view(f"i{self.angle_bytes}"))
-        np.multiply(np.sin(angle[: len(sine)], out=sine), radius[: len(sine)], out=sine)
-        np.multiply(radius, np.cos(angle, out=angle), out=radius)
-
-
 class Drawing:
-    """Standard normals being drawn into ``out`` on the noise thread. :meth:`result` waits for
-    them, and meanwhile makes the draw's chunks that the thread has not begun: whoever asks for
-    noise that is not ready has nothing else to do, and on a spare core the two halve what is
-    left (``workers.dp.engine``: logreg's step at B = 64 waited for its draw)."""
+    """Standard normals being drawn into ``out`` beside the step (:meth:`SecureStream.
+    normal_ahead`). :meth:`result` waits for them, and meanwhile makes the draw's chunks not
+    yet begun: whoever asks for noise that is not ready has nothing else to do, and on a spare
+    core the two halve what is left (``workers.dp.engine``: logreg's step at B = 64 waited for
+    its draw)."""
 
-    def __init__(self, out: Tensor, draw: _BoxMuller | None, future: Future[Any]) -> None:
-        self.out, self._draw, self._future = out, draw, future
+    def __init__(self, out: Tensor, pending: _Pending) -> None:
+        self.out, self._pending = out, pending
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def result(self, timeout: float | None = None) -> Tensor:
+        """``out`` once drawn (the error of the part made elsewhere, if it failed)."""
+        self._pending.finish(timeout)
+        return self.out
+
+
+class _Pending(Protocol):
+    def done(self) -> bool: ...
+
+    def finish(self, timeout: float | None) -> None: ...
+
+
+class _OnThread:
+    """A draw on the process's noise thread; ``draw`` if this thread may make chunks of it."""
+
+    def __init__(self, draw: BoxMuller | None, future: Future[Any]) -> None:
+        self._draw, self._future = draw, future
 
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout: float | None = None) -> Tensor:
-        """``out`` once drawn (the thread's error, if its part failed)."""
+    def finish(self, timeout: float | None) -> None:
         if self._draw is not None and not self._future.done():
             self._draw.run()
         self._future.result(timeout)
-        return self.out
 
 
-def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
-    """Box–Muller radii r = √(−2 ln v) from 64-bit keystream words (overwritten), into ``out``
-    (float32 or float64).
-
-    v = m·2⁻⁵³ with m = (w >> 11) + 2⁵² + 1, uniform on 1, …, 2⁵³: 53 bits, v in (0, 1]
-    exactly, so the tail reaches √(−2 ln 2⁻⁵³) ≈ 8.57σ (a 32-bit v would cut it at 6.66σ: see
-    the module docstring). v is rounded to ``out``'s dtype once, as m converts (float32: by at
-    most 2⁻²⁴ relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact; the
-    scaling by a power of two is exact), and its logarithm taken in that dtype, half float64's
-    cost in float32."""
-    m = np.right_shift(words, 11, out=words)
-    m += 2**52 + 1
-    np.copyto(out, m, casting="unsafe")
-    out *= 2.0**-53
-    np.log(out, out=out)
-    out *= -2.0
-    return np.sqrt(out, out=out)
-
-
-def angles(words: np.ndarray) -> np.ndarray:
-    """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), k their
-    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from
-    32-bit words (a float32 significand, so k is exact in float32), in float64 with b = 53
-    from 64-bit ones."""
-    bits, dtype = (24, np.float32) if words.itemsize == 4 else (53, np.float64)
-    k = np.right_shift(words, 8 * words.itemsize - bits, out=words)
-    angle = k.astype(dtype)
-    angle *= 2 * math.pi * 2.0**-bits
-    return angle
+def noise_buffer(size: int, dtype: torch.dtype) -> Tensor:
+    """Zeros for a CPU buffer that noise is drawn ahead into (:meth:`SecureStream.
+    normal_ahead`), in memory shared with the noise process (``workers.noise_process``), so
+    that the draw is made there, beside the step, without taking this process's GIL."""
+    if dtype not in ANGLE_BYTES or size == 0:
+        return torch.zeros(size, dtype=dtype)
+    numpy_dtype = np.dtype(np.float32 if dtype == torch.float32 else np.float64)
+    return torch.from_numpy(noise_process().shared_zeros(size, numpy_dtype))
 
 
 def _drawing_thread() -> ThreadPoolExecutor:

@@ -1,0 +1,117 @@
+"""Standard normals from an AES-CTR keystream by the Box–Muller transform, in numpy.
+
+No torch here: besides ``workers.dp.randomness`` (which says why these draws), the trial's
+noise process (:mod:`workers.noise_process`) imports this module, and it starts in a fraction
+of the time torch would take to import.
+
+A draw is planned in chunks of at most ``CHUNK`` Gaussian pairs: r·cos θ for a chunk's first
+half, r·sin θ for its second. Each pair takes 8 bytes of keystream for its radius, then
+(after the chunk's radii) 4 for its angle, 8 when the output is float64 (:func:`radii`,
+:func:`angles`). A draw's bytes are claimed at once when it is planned, the chunks' in order
+(:func:`plan`), so they are the bytes one thread reading the stream would have read, and any
+thread or process holding the key may make any chunk (:func:`make`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from core.entropy import Keystream
+
+#: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
+CHUNK = 1 << 16
+#: Gaussian pairs the noise process makes at once (:func:`make`): 128 KiB held for float32
+#: noise, not a chunk's 512 KiB, for 1.2× the time (``docs/speed-history.md``)
+PIECE = 1 << 14
+#: a chunk: its start and stop in the output, and the keystream byte its words start at
+Chunk = tuple[int, int, int]
+
+
+def keystream_bytes(size: int, itemsize: int) -> int:
+    """The keystream bytes a draw of ``size`` normals of ``itemsize`` bytes takes."""
+    pairs = size // (2 * CHUNK) * CHUNK + (size % (2 * CHUNK) + 1) // 2
+    return (8 + itemsize) * pairs
+
+
+def plan(size: int, itemsize: int, at: int) -> list[Chunk]:
+    """The chunks of a draw of ``size`` normals of ``itemsize`` bytes whose keystream bytes
+    start at byte ``at`` (:func:`keystream_bytes` of them, claimed at once)."""
+    chunks = []
+    for start in range(0, size, 2 * CHUNK):
+        stop = min(start + 2 * CHUNK, size)
+        half = (stop - start + 1) // 2  # pairs: an odd tail drops its last sine
+        chunks.append((start, stop, at))
+        at += (8 + itemsize) * half
+    return chunks
+
+
+def make(keystream: Keystream, flat: np.ndarray, chunk: Chunk, piece: int = CHUNK) -> None:
+    """Write ``chunk``'s normals into the flat float32 or float64 array ``flat``, ``piece``
+    pairs at a time (the same bits whatever the pieces: each piece's keystream bytes are read
+    from their own place). The radii are formed in ``flat`` itself, the sines too, and the
+    cosines overwrite the angles, so a piece holds at most its radii's words, then its angles'
+    words and the angles: 8 bytes a pair for float32 noise, 16 for float64. Smaller pieces hold
+    less and cost more calls (the noise process, whose time is hidden, takes ``PIECE``)."""
+    start, stop, at = chunk
+    part = flat[start:stop]
+    half = (len(part) + 1) // 2
+    radius, sine, angles_at = part[:half], part[half:], at + 8 * half
+    for first in range(0, half, piece):
+        last = min(first + piece, half)
+        r, s = radius[first:last], sine[first:last]
+        radii(keystream.read(at + 8 * first, 8 * (last - first)).view(np.int64), out=r)
+        words = keystream.read(angles_at + flat.itemsize * first, flat.itemsize * (last - first))
+        angle = angles(words.view(f"i{flat.itemsize}"))
+        np.multiply(np.sin(angle[: len(s)], out=s), r[: len(s)], out=s)
+        np.multiply(r, np.cos(angle, out=angle), out=r)
+
+
+class BoxMuller:
+    """One draw of standard normals into the flat float32 or float64 array ``flat``, planned
+    from ``keystream`` (:func:`plan`). :meth:`run` makes chunks until none is left, and two
+    threads may run it at once: each chunk is taken once (``itertools.count``, whose ``next``
+    is atomic) and writes its own part of ``flat``."""
+
+    def __init__(self, keystream: Keystream, flat: np.ndarray) -> None:
+        self.keystream, self.flat = keystream, flat
+        at = keystream.claim(keystream_bytes(len(flat), flat.itemsize))
+        self.chunks = plan(len(flat), flat.itemsize, at)
+        self._taken = itertools.count()
+
+    def run(self) -> None:
+        while (index := next(self._taken)) < len(self.chunks):
+            make(self.keystream, self.flat, self.chunks[index])
+
+
+def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
+    """Box–Muller radii r = √(−2 ln v) from 64-bit keystream words (overwritten), into ``out``
+    (float32 or float64).
+
+    v = m·2⁻⁵³ with m = (w >> 11) + 2⁵² + 1, uniform on 1, …, 2⁵³: 53 bits, v in (0, 1]
+    exactly, so the tail reaches √(−2 ln 2⁻⁵³) ≈ 8.57σ (a 32-bit v would cut it at 6.66σ: see
+    ``workers.dp.randomness``). v is rounded to ``out``'s dtype once, as m converts (float32:
+    by at most 2⁻²⁴ relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact;
+    the scaling by a power of two is exact), and its logarithm taken in that dtype, half
+    float64's cost in float32."""
+    m = np.right_shift(words, 11, out=words)
+    m += 2**52 + 1
+    np.copyto(out, m, casting="unsafe")
+    out *= 2.0**-53
+    np.log(out, out=out)
+    out *= -2.0
+    return np.sqrt(out, out=out)
+
+
+def angles(words: np.ndarray) -> np.ndarray:
+    """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), k their
+    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from
+    32-bit words (a float32 significand, so k is exact in float32), in float64 with b = 53
+    from 64-bit ones."""
+    bits, dtype = (24, np.float32) if words.itemsize == 4 else (53, np.float64)
+    k = np.right_shift(words, 8 * words.itemsize - bits, out=words)
+    angle = k.astype(dtype)
+    angle *= 2 * math.pi * 2.0**-bits
+    return angle
