@@ -36,6 +36,12 @@ def keystream_bytes(size: int, itemsize: int) -> int:
     return (8 + itemsize) * pairs
 
 
+def claim(keystream: Keystream, flat: np.ndarray) -> list[Chunk]:
+    """Claim the keystream bytes of a draw into ``flat``, at once; the draw's chunks."""
+    at = keystream.claim(keystream_bytes(len(flat), flat.itemsize))
+    return plan(len(flat), flat.itemsize, at)
+
+
 def plan(size: int, itemsize: int, at: int) -> list[Chunk]:
     """The chunks of a draw of ``size`` normals of ``itemsize`` bytes whose keystream bytes
     start at byte ``at`` (:func:`keystream_bytes` of them, claimed at once)."""
@@ -71,14 +77,13 @@ def make(keystream: Keystream, flat: np.ndarray, chunk: Chunk, piece: int = CHUN
 
 class BoxMuller:
     """One draw of standard normals into the flat float32 or float64 array ``flat``, planned
-    from ``keystream`` (:func:`plan`). :meth:`run` makes chunks until none is left, and two
+    from ``keystream`` (:func:`claim`). :meth:`run` makes chunks until none is left, and two
     threads may run it at once: each chunk is taken once (``itertools.count``, whose ``next``
     is atomic) and writes its own part of ``flat``."""
 
     def __init__(self, keystream: Keystream, flat: np.ndarray) -> None:
         self.keystream, self.flat = keystream, flat
-        at = keystream.claim(keystream_bytes(len(flat), flat.itemsize))
-        self.chunks = plan(len(flat), flat.itemsize, at)
+        self.chunks = claim(keystream, flat)
         self._taken = itertools.count()
 
     def run(self) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from core.entropy import Keystream
-from workers.gaussian import PIECE, keystream_bytes, make, plan
+from workers.gaussian import PIECE, Chunk, claim, make, plan
 
 #: the child's program: serve the socket whose descriptor is its one argument
 _SERVE = "import sys; from workers.noise_process import serve; serve(int(sys.argv[1]))"
@@ -164,7 +164,7 @@ class NoiseProcess:
         self._send(("control",), self.control.fd)
         self._ids, self._serials = itertools.count(), itertools.count(1)
         self._buffers: dict[int, tuple[int, int]] = {}  # address: buffer id, bytes
-        self._closed = False
+        self._closed = self._ready = False
 
     def _send(self, message: tuple[Any, ...], fd: int | None = None) -> None:
         try:
@@ -201,20 +201,23 @@ class NoiseProcess:
         return not self._closed and self._process.poll() is None
 
     def ready(self) -> bool:
-        """Whether the child has started (until then, draws are made elsewhere)."""
-        return self.alive() and self.control.get(READY) == 1
+        """Whether the child has started (until then, draws are made elsewhere); once it has,
+        the block is not read again."""
+        self._ready = self._ready or self.control.get(READY) == 1
+        return self._ready and self.alive()
 
     def shares(self, flat: np.ndarray) -> bool:
         """Whether ``flat`` is a whole buffer of :meth:`shared_zeros`."""
-        return self._buffers.get(flat.ctypes.data, (None, -1))[1] == flat.nbytes
+        shared = self._buffers.get(flat.ctypes.data)
+        return shared is not None and shared[1] == flat.nbytes
 
     def draw(self, keystream: Keystream, flat: np.ndarray) -> Draw:
-        """Start the child drawing normals from ``keystream`` into the shared ``flat``."""
+        """Start the child drawing normals from ``keystream`` into the shared ``flat`` (not
+        empty: :func:`workers.dp.randomness.noise_buffer` shares none)."""
         buffer, _ = self._buffers[flat.ctypes.data]
-        at = keystream.claim(keystream_bytes(len(flat), flat.itemsize))
-        serial = next(self._serials)
-        self._send(("draw", serial, buffer, flat.dtype.str, keystream.key, at))
-        return Draw(self, serial, keystream, flat, at)
+        chunks, serial = claim(keystream, flat), next(self._serials)
+        self._send(("draw", serial, buffer, flat.dtype.str, keystream.key, chunks[0][2]))
+        return Draw(self, serial, keystream, flat, chunks)
 
     def wait(self, serial: int, chunks: int, timeout: float | None) -> None:
         """Wait until draw ``serial``'s ``chunks`` are all made: the child wakes this process
@@ -242,11 +245,15 @@ class Draw:
     """A draw being made by the noise process, chunk after chunk from the front."""
 
     def __init__(
-        self, process: NoiseProcess, serial: int, keystream: Keystream, flat: np.ndarray, at: int
+        self,
+        process: NoiseProcess,
+        serial: int,
+        keystream: Keystream,
+        flat: np.ndarray,
+        chunks: list[Chunk],
     ) -> None:
         self._process, self._serial = process, serial
-        self._keystream, self._flat = keystream, flat
-        self._chunks = plan(len(flat), flat.itemsize, at)
+        self._keystream, self._flat, self._chunks = keystream, flat, chunks
         self._finished = False
 
     def done(self) -> bool:
@@ -272,9 +279,11 @@ def noise_process() -> NoiseProcess:
     """This process's noise process, started on first use (again if it died; a forked child
     makes its own: the parent's socket is not its to use)."""
     global _current
-    if _current is None or _current[0] != os.getpid() or not _current[1].alive():
-        _current = (os.getpid(), NoiseProcess())
-    return _current[1]
+    running = current()
+    if running is None:
+        running = NoiseProcess()
+        _current = (os.getpid(), running)
+    return running
 
 
 def current() -> NoiseProcess | None:

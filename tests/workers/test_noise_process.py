@@ -18,7 +18,7 @@ import torch
 from core.entropy import Keystream
 from workers import noise_process
 from workers.dp.randomness import SecureStream, noise_buffer
-from workers.gaussian import CHUNK
+from workers.gaussian import CHUNK, plan
 from workers.noise_process import FRONT, MADE, NoiseProcessError
 
 
@@ -119,7 +119,8 @@ def test_a_failed_draw_raises_where_its_noise_is_needed() -> None:
     at = stream.keystream.claim(0)
     serial = next(process._serials)
     process._send(("draw", serial, 10**6, flat.dtype.str, stream.keystream.key, at))
-    draw = noise_process.Draw(process, serial, stream.keystream, flat, at)
+    chunks = plan(len(flat), flat.itemsize, at)
+    draw = noise_process.Draw(process, serial, stream.keystream, flat, chunks)
     deadline = time.monotonic() + 10
     while not draw.done() and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -130,14 +131,15 @@ def test_a_failed_draw_raises_where_its_noise_is_needed() -> None:
 def test_a_noise_process_dead_in_a_chunk_fails_the_draw_and_a_new_one_starts() -> None:
     process = started()
     out = noise_buffer(64 * 2 * CHUNK, torch.float32)
-    drawing = keyed(os.urandom(16)).normal_ahead(out)
     while True:  # stop the child inside a chunk it has taken, then kill it there
-        while process.control.get(FRONT) == 0:
+        drawing = keyed(os.urandom(16)).normal_ahead(out)
+        while process.control.get(FRONT) == 0 and not drawing.done():
             time.sleep(0.0001)
         os.kill(process.pid, signal.SIGSTOP)
         if process.control.get(MADE) < process.control.get(FRONT):
             break
-        os.kill(process.pid, signal.SIGCONT)
+        os.kill(process.pid, signal.SIGCONT)  # between chunks, or done: again
+        drawing.result()
     os.kill(process.pid, signal.SIGKILL)
     with pytest.raises(NoiseProcessError, match="exited"):
         drawing.result(timeout=10)

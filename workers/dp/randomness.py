@@ -102,7 +102,7 @@ class SecureStream:
         return out
 
     def _box_muller(self, out: Tensor) -> Tensor:
-        """Fill the flat CPU tensor ``out`` with standard normals (:class:`_BoxMuller`)."""
+        """Fill the flat CPU tensor ``out`` with standard normals (``workers.gaussian``)."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
             return out.copy_(self._box_muller(torch.empty(len(out))))
         BoxMuller(self.keystream, out.detach().numpy()).run()
