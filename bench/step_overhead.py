@@ -174,8 +174,9 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     class TorchNoise(SecureStream):
         """torch's own (not secure) generator, to price the secure one: ``fast_torchrng``."""
 
-        def normal(self, shape, *, device="cpu", dtype=torch.float32, out=None):
-            return torch.randn(shape, device=device, dtype=dtype, out=out)
+        def normal(self, shape, *, device="cpu", dtype=torch.float32, out=None, scale=1.0):
+            out = torch.empty(shape, device=device, dtype=dtype) if out is None else out
+            return out.normal_(0.0, scale)
 
     private = private_step(
         model,
@@ -191,7 +192,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 
     def settle() -> None:  # the draw made ahead for the next step, done (interleaved timing)
         if private.ahead is not None:
-            private.ahead.result()
+            private.ahead[0].result()
 
     dp_step.settle = settle  # type: ignore[attr-defined]
     return dp_step

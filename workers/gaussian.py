@@ -54,13 +54,21 @@ def plan(size: int, itemsize: int, at: int) -> list[Chunk]:
     return chunks
 
 
-def make(keystream: Keystream, flat: np.ndarray, chunk: Chunk, piece: int = CHUNK) -> None:
-    """Write ``chunk``'s normals into the flat float32 or float64 array ``flat``, ``piece``
-    pairs at a time (the same bits whatever the pieces: each piece's keystream bytes are read
-    from their own place). The radii are formed in ``flat`` itself, the sines too, and the
-    cosines overwrite the angles, so a piece holds at most its radii's words, then its angles'
-    words and the angles: 8 bytes a pair for float32 noise, 16 for float64. Smaller pieces hold
-    less and cost more calls (the noise process, whose time is hidden, takes ``PIECE``)."""
+def make(
+    keystream: Keystream,
+    flat: np.ndarray,
+    chunk: Chunk,
+    piece: int = CHUNK,
+    scale: float = 1.0,
+) -> None:
+    """Write ``chunk``'s normals, times ``scale``, into the flat float32 or float64 array
+    ``flat``, ``piece`` pairs at a time (the same bits whatever the pieces: each piece's
+    keystream bytes are read from their own place). The radii are formed in ``flat`` itself,
+    the sines too, and the cosines overwrite the angles, so a piece holds at most its radii's
+    words, then its angles' words and the angles: 8 bytes a pair for float32 noise, 16 for
+    float64. Smaller pieces hold less and cost more calls (the noise process, whose time is
+    hidden, takes ``PIECE``). The scale multiplies the radii, half the values, so that no pass
+    over the whole output is left to the caller (the engine's σ·C/B)."""
     start, stop, at = chunk
     part = flat[start:stop]
     half = (len(part) + 1) // 2
@@ -69,6 +77,8 @@ def make(keystream: Keystream, flat: np.ndarray, chunk: Chunk, piece: int = CHUN
         last = min(first + piece, half)
         r, s = radius[first:last], sine[first:last]
         radii(keystream.read(at + 8 * first, 8 * (last - first)).view(np.int64), out=r)
+        if scale != 1.0:
+            r *= scale
         words = keystream.read(angles_at + flat.itemsize * first, flat.itemsize * (last - first))
         angle = angles(words.view(f"i{flat.itemsize}"))
         np.multiply(np.sin(angle[: len(s)], out=s), r[: len(s)], out=s)
@@ -76,19 +86,19 @@ def make(keystream: Keystream, flat: np.ndarray, chunk: Chunk, piece: int = CHUN
 
 
 class BoxMuller:
-    """One draw of standard normals into the flat float32 or float64 array ``flat``, planned
-    from ``keystream`` (:func:`claim`). :meth:`run` makes chunks until none is left, and two
-    threads may run it at once: each chunk is taken once (``itertools.count``, whose ``next``
-    is atomic) and writes its own part of ``flat``."""
+    """One draw of normals of standard deviation ``scale`` into the flat float32 or float64
+    array ``flat``, planned from ``keystream`` (:func:`claim`). :meth:`run` makes chunks until
+    none is left, and two threads may run it at once: each chunk is taken once
+    (``itertools.count``, whose ``next`` is atomic) and writes its own part of ``flat``."""
 
-    def __init__(self, keystream: Keystream, flat: np.ndarray) -> None:
-        self.keystream, self.flat = keystream, flat
+    def __init__(self, keystream: Keystream, flat: np.ndarray, scale: float = 1.0) -> None:
+        self.keystream, self.flat, self.scale = keystream, flat, scale
         self.chunks = claim(keystream, flat)
         self._taken = itertools.count()
 
     def run(self) -> None:
         while (index := next(self._taken)) < len(self.chunks):
-            make(self.keystream, self.flat, self.chunks[index])
+            make(self.keystream, self.flat, self.chunks[index], scale=self.scale)
 
 
 def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:

@@ -10,16 +10,16 @@ another process by 1.02–1.07× (``docs/speed-history.md``). A process shares n
 
 What the two share: the buffers made by :meth:`NoiseProcess.shared_zeros` (anonymous memory,
 ``memfd_create``, passed to the child as a file descriptor over a socket pair); for each draw,
-the stream's key and where the keystream bytes the parent claimed for it start
-(:func:`workers.gaussian.plan`), so the child's draw is the one the parent would have made, to
-the bit; and a control block (:class:`_Control`) from which either process takes the draw's
-chunks, each once: the child from the front, the parent, when it needs the noise before the
-child is done, from the back (whoever waits has nothing else to do). The key never leaves the
-two processes: it goes over the socket pair, which nothing else holds, and is never written
-anywhere. The child imports numpy and ``cryptography``, not torch (it is ready in about
-0.2 s; draws asked for before then are made on a thread), writes one byte to wake the parent
-when the parent waits for a draw whose last chunk it has made or that it failed, and exits
-when the parent's end of the socket closes.
+the stream's key, where the keystream bytes the parent claimed for it start
+(:func:`workers.gaussian.plan`) and the noise's standard deviation, so the child's draw is the
+one the parent would have made, to the bit; and a control block (:class:`_Control`) from which
+either process takes the draw's chunks, each once: the child from the front, the parent, when
+it needs the noise before the child is done, from the back (whoever waits has nothing else to
+do). The key never leaves the two processes: it goes over the socket pair, which nothing else
+holds, and is never written anywhere. The child imports numpy and ``cryptography``, not torch
+(it is ready in about 0.2 s; draws asked for before then are made on a thread), writes one
+byte to wake the parent when the parent waits for a draw whose last chunk it has made or that
+it failed, and exits when the parent's end of the socket closes.
 """
 
 from __future__ import annotations
@@ -211,13 +211,15 @@ class NoiseProcess:
         shared = self._buffers.get(flat.ctypes.data)
         return shared is not None and shared[1] == flat.nbytes
 
-    def draw(self, keystream: Keystream, flat: np.ndarray) -> Draw:
-        """Start the child drawing normals from ``keystream`` into the shared ``flat`` (not
-        empty: :func:`workers.dp.randomness.noise_buffer` shares none)."""
+    def draw(self, keystream: Keystream, flat: np.ndarray, scale: float = 1.0) -> Draw:
+        """Start the child drawing normals of standard deviation ``scale`` from ``keystream``
+        into the shared ``flat`` (not empty: :func:`workers.dp.randomness.noise_buffer` shares
+        none)."""
         buffer, _ = self._buffers[flat.ctypes.data]
         chunks, serial = claim(keystream, flat), next(self._serials)
-        self._send(("draw", serial, buffer, flat.dtype.str, keystream.key, chunks[0][2]))
-        return Draw(self, serial, keystream, flat, chunks)
+        at = chunks[0][2]
+        self._send(("draw", serial, buffer, flat.dtype.str, keystream.key, at, scale))
+        return Draw(self, serial, keystream, flat, chunks, scale)
 
     def wait(self, serial: int, chunks: int, timeout: float | None) -> None:
         """Wait until draw ``serial``'s ``chunks`` are all made: the child wakes this process
@@ -251,10 +253,11 @@ class Draw:
         keystream: Keystream,
         flat: np.ndarray,
         chunks: list[Chunk],
+        scale: float,
     ) -> None:
         self._process, self._serial = process, serial
         self._keystream, self._flat, self._chunks = keystream, flat, chunks
-        self._finished = False
+        self._scale, self._finished = scale, False
 
     def done(self) -> bool:
         return (
@@ -269,7 +272,7 @@ class Draw:
         control, serial, count = self._process.control, self._serial, len(self._chunks)
         control.join(serial, count)
         while (index := control.take(serial, front=False)) is not None:
-            make(self._keystream, self._flat, self._chunks[index])
+            make(self._keystream, self._flat, self._chunks[index], scale=self._scale)
             control.made(serial, count)
         self._process.wait(serial, count, timeout)
         self._finished = True
@@ -329,6 +332,7 @@ def _draw(
     dtype: str,
     key: bytes,
     at: int,
+    scale: float,
 ) -> None:
     """Make draw ``serial``'s chunks from the front until none is left; wake the parent if it
     waits and this made the last, or failed."""
@@ -337,7 +341,7 @@ def _draw(
         chunks, keystream = plan(len(flat), flat.itemsize, at), Keystream(key)
         control.join(serial, len(chunks))
         while (index := control.take(serial, front=True)) is not None:
-            make(keystream, flat, chunks[index], PIECE)
+            make(keystream, flat, chunks[index], PIECE, scale)
             if control.made(serial, len(chunks)):
                 channel.send(b"!")
     except Exception:  # the parent raises where it needs the noise; the log has the error

@@ -227,7 +227,9 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(
     In the noise process, it is made there: after the first step (whose draw is needed as
     soon as it is asked for), nothing here made a chunk of it."""
     made_here = []
-    monkeypatch.setattr(noise_process, "make", lambda *args: made_here.append(gaussian.make(*args)))
+    monkeypatch.setattr(
+        noise_process, "make", lambda *args, **kw: made_here.append(gaussian.make(*args, **kw))
+    )
     models = []
     for ahead in (False, True):
         model = mlp()
@@ -262,3 +264,20 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(
     for inline, ahead in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(inline, ahead)
     assert late or not made_here
+
+
+def test_a_threshold_changed_after_the_draw_began_rescales_the_draw(make_step):
+    """The next step's noise is drawn ahead at the threshold the rule set at the end of this
+    step; a threshold changed afterwards (from outside the rule) still gets noise of std
+    σ_T·C/B at the new C: the drawn-ahead gradient equals the one drawn in line."""
+    grads = []
+    for ahead in (False, True):
+        step = make_step(
+            mlp(), noise=1.0, threshold=0.5, expected=6, stream=Keyed(2**70 + 1), draw_ahead=ahead
+        )
+        step.step([batch(seed=1)], 0)
+        step.rule.threshold = 0.8  # after the draw for step 1 began, at 0.5
+        step.private_gradient([batch(n=0)])  # noise alone
+        grads.append(torch.cat([p.grad.flatten() for p in step.params.values()]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0)
+    assert float(grads[1].std()) == pytest.approx(0.8 / 6, rel=0.5)

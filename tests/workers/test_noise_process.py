@@ -44,28 +44,32 @@ class Counted:
         self.chunks = 0
         self._make = noise_process.make
 
-    def __call__(self, *args: object) -> None:
+    def __call__(self, *args: object, **kwargs: object) -> None:
         self.chunks += 1
-        self._make(*args)  # type: ignore[arg-type]
+        self._make(*args, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("size", [1, 7, 2 * CHUNK, 5 * 2 * CHUNK + 3])
-def test_a_draw_made_in_the_noise_process_is_the_draw_made_here(dtype, size, monkeypatch) -> None:
-    """Nobody waits for it: the child makes all of it, and the stream goes on after it as
-    after the same draw made here."""
+@pytest.mark.parametrize(
+    ("size", "scale"), [(1, 1.0), (7, 0.37), (2 * CHUNK, 1.0), (10 * CHUNK + 3, 2.5)]
+)
+def test_a_draw_made_in_the_noise_process_is_the_draw_made_here(
+    dtype, size, scale, monkeypatch
+) -> None:
+    """Nobody waits for it: the child makes all of it (at the standard deviation asked for),
+    and the stream goes on after it as after the same draw made here."""
     started()
     counted = Counted()
     monkeypatch.setattr(noise_process, "make", counted)
     key = os.urandom(16)
     there, here = keyed(key), keyed(key)
     out = noise_buffer(size, dtype)
-    drawing = there.normal_ahead(out)
+    drawing = there.normal_ahead(out, scale)
     deadline = time.monotonic() + 10
     while not drawing.done() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert drawing.result() is out and counted.chunks == 0  # all made by the child
-    assert torch.equal(out, here.normal(size, dtype=dtype))
+    assert torch.equal(out, here.normal(size, dtype=dtype, scale=scale))
     assert torch.equal(there.normal(99, dtype=dtype), here.normal(99, dtype=dtype))
 
 
@@ -79,13 +83,13 @@ def test_whoever_waits_makes_the_chunks_nobody_took_to_the_same_bits(dtype, monk
     key, size = os.urandom(16), 64 * 2 * CHUNK + 5  # 65 chunks
     there, here = keyed(key), keyed(key)
     out = noise_buffer(size, dtype)
-    drawing = there.normal_ahead(out)
+    drawing = there.normal_ahead(out, 0.37)
     deadline = time.monotonic() + 10
     while process.control.get(FRONT) == 0 and time.monotonic() < deadline:
         time.sleep(0.0001)  # the child has taken its first chunk
     drawing.result()
-    assert 0 < counted.chunks < 65  # both made some
-    assert torch.equal(out, here.normal(size, dtype=dtype))
+    assert 0 < counted.chunks < 65  # both made some, at the standard deviation asked for
+    assert torch.equal(out, here.normal(size, dtype=dtype, scale=0.37))
 
 
 def test_a_draw_the_child_has_not_reached_is_made_here_and_never_again(monkeypatch) -> None:
@@ -118,9 +122,9 @@ def test_a_failed_draw_raises_where_its_noise_is_needed() -> None:
     flat = np.zeros(10, dtype=np.float32)  # not shared: the child has no buffer 10**6
     at = stream.keystream.claim(0)
     serial = next(process._serials)
-    process._send(("draw", serial, 10**6, flat.dtype.str, stream.keystream.key, at))
+    process._send(("draw", serial, 10**6, flat.dtype.str, stream.keystream.key, at, 1.0))
     chunks = plan(len(flat), flat.itemsize, at)
-    draw = noise_process.Draw(process, serial, stream.keystream, flat, chunks)
+    draw = noise_process.Draw(process, serial, stream.keystream, flat, chunks, 1.0)
     deadline = time.monotonic() + 10
     while not draw.done() and time.monotonic() < deadline:
         time.sleep(0.001)

@@ -116,16 +116,18 @@ def test_gaussians_are_box_muller_of_the_keystream(dtype: torch.dtype) -> None:
     words, b = 24, for float32 noise; of 64-bit words, b = 53, for float64). To the bit, with
     the same functions in the same dtype; and within 8 units in the last place (of the largest
     draw, 8.6) of the same formula from Python's ``math`` in float64, so that the SIMD
-    functions the product uses are checked against an independent computation."""
-    key = bytes(range(16))
+    functions the product uses are checked against an independent computation. Drawn at a
+    standard deviation s, the radii are multiplied by s before the cosines and sines."""
+    key, s = bytes(range(16)), 0.37
     pairs = gaussian.CHUNK + 3  # a whole chunk, then a short one with an odd tail
     n = 2 * pairs - 1
-    stream = SecureStream()
-    stream.keystream = Keystream(key)
+    stream, scaled = SecureStream(), SecureStream()
+    stream.keystream, scaled.keystream = Keystream(key), Keystream(key)
     z = stream.normal(n, dtype=dtype).numpy()
+    zs = scaled.normal(n, dtype=dtype, scale=s).numpy()
     angle_bytes, bits = (4, 24) if dtype == torch.float32 else (8, 53)
     words = np.frombuffer(_aes_blocks(key, (8 + angle_bytes) * pairs), dtype=np.uint8)
-    expected, exact, start = [], [], 0
+    expected, expected_scaled, exact, start = [], [], [], 0
     for size in (gaussian.CHUNK, pairs - gaussian.CHUNK):
         w = words[start : start + 8 * size].view("<i8")
         a = words[start + 8 * size : start + (8 + angle_bytes) * size].view(f"<i{angle_bytes}")
@@ -138,15 +140,20 @@ def test_gaussians_are_box_muller_of_the_keystream(dtype: torch.dtype) -> None:
         radius = np.sqrt(np.log(typed) * z.dtype.type(-2.0))
         angle = k.astype(z.dtype) * z.dtype.type(2 * np.pi * 2.0**-bits)
         expected += [radius * np.cos(angle), radius * np.sin(angle)]
+        radius *= z.dtype.type(s)
+        expected_scaled += [radius * np.cos(angle), radius * np.sin(angle)]
         polar = [
             (math.sqrt(-2 * math.log(x)), 2 * math.pi * y * 2.0**-bits)
             for x, y in zip(typed.astype(np.float64), k, strict=True)
         ]
         exact += [[r * math.cos(t) for r, t in polar], [r * math.sin(t) for r, t in polar]]
     expected[-1], exact[-1] = expected[-1][:-1], exact[-1][:-1]
+    expected_scaled[-1] = expected_scaled[-1][:-1]
     assert np.array_equal(z, np.concatenate(expected))
+    assert np.array_equal(zs, np.concatenate(expected_scaled))
     ulp = np.finfo(z.dtype).eps
     assert np.abs(z - np.concatenate(exact)).max() <= 8 * ulp * 8.6
+    assert np.abs(zs - s * np.concatenate(exact)).max() <= 9 * ulp * 8.6 * s
 
 
 def test_sampling_compares_in_float64() -> None:

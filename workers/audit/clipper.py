@@ -76,7 +76,8 @@ class CanaryClipper:
         return norms, out
 
     def take_real_sum(self) -> Tensor:
-        """The real examples' clipped sum since the last call, flattened [P]; resets it."""
+        """The real examples' clipped sum since the last call, flattened [P], divided by B as
+        the engine's clip factors divide it; resets it."""
         taken, self.real_sum = self.real_sum, torch.zeros_like(self.real_sum)
         return taken
 

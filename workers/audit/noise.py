@@ -31,5 +31,6 @@ class ScaledNoise(SecureStream):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         out: Tensor | None = None,
+        scale: float = 1.0,
     ) -> Tensor:
-        return super().normal(shape, device=device, dtype=dtype, out=out).mul_(self.scale)
+        return super().normal(shape, device=device, dtype=dtype, out=out, scale=scale * self.scale)

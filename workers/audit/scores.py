@@ -58,7 +58,8 @@ class LikelihoodRatio:
         engine = self.engine
         threshold = engine.rule.threshold  # C_t of this step: the rule updates after the step
         grad = torch.cat([p.grad.flatten() for p in engine.params.values()])  # type: ignore[union-attr]
-        residual = grad * engine.expected_batch_size - self.clipper.take_real_sum()
+        # g̃·B minus the real examples' clipped sum (both divided by B in the engine)
+        residual = (grad - self.clipper.take_real_sum()) * engine.expected_batch_size
         x = self.canaries.projections(residual).double().cpu()
         coef_fn = coefficient_fn(engine.clipping, threshold, len(engine.groups), engine.gamma)
         shift = self.canaries.shift(self.canaries.clipped_factors(coef_fn, threshold), threshold)

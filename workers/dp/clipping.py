@@ -107,9 +107,14 @@ def group_thresholds(threshold: float, num_groups: int) -> float:
 
 
 def coefficient_fn(
-    function: ClippingFunction, threshold: float, num_groups: int, gamma: float = 0.01
+    function: ClippingFunction,
+    threshold: float,
+    num_groups: int,
+    gamma: float = 0.01,
+    scale: float = 1.0,
 ) -> CoefFn:
-    """The per-sample, per-group clip factor C(g; R_m) as a function of norms [B, k], elementwise.
+    """The per-sample, per-group clip factor C(g; R_m) as a function of norms [B, k], elementwise,
+    times ``scale`` (the engine's 1/B, so that its clipped sums come divided).
 
     ``abadi``: min(1, R_m/‖g‖) (Abadi et al. 2016). ``auto_s``: R_m/(‖g‖ + γ) and ``auto_v``:
     R_m/‖g‖ (paper 003, automatic clipping); each keeps ‖C·g‖ ≤ R_m, so the sensitivity bound is
@@ -117,11 +122,11 @@ def coefficient_fn(
     """
     r = group_thresholds(threshold, num_groups)
     if function == "abadi":
-        return lambda norms: (r / norms).clamp(max=1.0)
+        return lambda norms: (r / norms).clamp(max=1.0) * scale
     if function == "auto_s":
-        return lambda norms: r / (norms + gamma)
+        return lambda norms: r * scale / (norms + gamma)
     if function == "auto_v":
-        return lambda norms: torch.where(norms > 0, r / norms, torch.zeros_like(norms))
+        return lambda norms: torch.where(norms > 0, r * scale / norms, torch.zeros_like(norms))
     raise ValueError(f"method.clipping: unknown clipping function {function!r}")
 
 

@@ -84,47 +84,51 @@ class SecureStream:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         out: Tensor | None = None,
+        scale: float = 1.0,
     ) -> Tensor:
-        """Standard normal draws of ``shape`` on ``device``; written into ``out`` (a contiguous
-        tensor of ``shape``, whose device and dtype then apply) if given, so that a caller's
-        buffer takes the noise without a temporary of its size."""
+        """Normal draws of ``shape`` on ``device``, mean 0 and standard deviation ``scale``;
+        written into ``out`` (a contiguous tensor of ``shape``, whose device and dtype then
+        apply) if given, so that a caller's buffer takes the noise without a temporary of its
+        size, and scaled as they are made, without a pass of their own over it."""
         size = (shape,) if isinstance(shape, int) else tuple(shape)
         if out is None:
             out = torch.empty(size, device=device, dtype=dtype)
         elif out.shape != size or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor of shape {size}")
         if out.device.type == "cuda":
-            return out.normal_(generator=self._device_generator(out.device))
+            return out.normal_(0.0, scale, generator=self._device_generator(out.device))
         if out.device.type == "cpu":
-            self._box_muller(out.view(-1))
+            self._box_muller(out.view(-1), scale)
         else:
-            out.copy_(self._box_muller(torch.empty(size, dtype=out.dtype).view(-1)).view(size))
+            flat = torch.empty(size, dtype=out.dtype).view(-1)
+            out.copy_(self._box_muller(flat, scale).view(size))
         return out
 
-    def _box_muller(self, out: Tensor) -> Tensor:
-        """Fill the flat CPU tensor ``out`` with standard normals (``workers.gaussian``)."""
+    def _box_muller(self, out: Tensor, scale: float) -> Tensor:
+        """Fill the flat CPU tensor ``out`` with normals of standard deviation ``scale``
+        (``workers.gaussian``)."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
-            return out.copy_(self._box_muller(torch.empty(len(out))))
-        BoxMuller(self.keystream, out.detach().numpy()).run()
+            return out.copy_(self._box_muller(torch.empty(len(out)), scale))
+        BoxMuller(self.keystream, out.detach().numpy(), scale).run()
         return out
 
-    def normal_ahead(self, out: Tensor) -> Drawing:
-        """Start drawing standard normals into the contiguous tensor ``out`` beside the caller:
-        :meth:`normal`'s draw, to the bit. Into a buffer shared with the noise process
-        (:func:`noise_buffer`), the draw is made there once that process has started; else on
-        this process's one noise thread (its trials run one at a time). A subclass that
-        changes :meth:`normal` (the audit's scaled noise) draws through it on the thread, and
-        whoever waits for that draw only waits; a keystream of a subclass (a test's double)
-        is read in this process."""
+    def normal_ahead(self, out: Tensor, scale: float = 1.0) -> Drawing:
+        """Start drawing normals of standard deviation ``scale`` into the contiguous tensor
+        ``out`` beside the caller: :meth:`normal`'s draw, to the bit. Into a buffer shared with
+        the noise process (:func:`noise_buffer`), the draw is made there once that process has
+        started; else on this process's one noise thread (its trials run one at a time). A
+        subclass that changes :meth:`normal` (the audit's scaled noise) draws through it on the
+        thread, and whoever waits for that draw only waits; a keystream of a subclass (a test's
+        double) is read in this process."""
         plain = type(self).normal is SecureStream.normal and out.is_contiguous()
         if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
-            pending = _OnThread(None, _drawing_thread().submit(self.normal, out.shape, out=out))
-            return Drawing(out, pending)
+            drawn = _drawing_thread().submit(self.normal, out.shape, out=out, scale=scale)
+            return Drawing(out, _OnThread(None, drawn))
         flat, process = out.detach().view(-1).numpy(), current_noise_process()
         shared = process is not None and process.shares(flat) and process.ready()
         if shared and type(self.keystream) is Keystream:
-            return Drawing(out, process.draw(self.keystream, flat))
-        draw = BoxMuller(self.keystream, flat)
+            return Drawing(out, process.draw(self.keystream, flat, scale))
+        draw = BoxMuller(self.keystream, flat, scale)
         return Drawing(out, _OnThread(draw, _drawing_thread().submit(draw.run)))
 
     def integers(self, high: int) -> int:
