@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from randomgen import SPECK128, AESCounter, ChaCha
 
-from core.entropy import Keystream
+from core.entropy import Keystream, Reader
 from workers.dp.randomness import SecureStream
 from workers.gaussian import CHUNK
 
@@ -48,25 +48,28 @@ SIZES = [410_250, 2_350_335]
 
 
 class _Given(Keystream):
-    """A keystream drawn beforehand, chunk by chunk, for the ``n`` float32 draws of a step:
-    :meth:`SecureStream.normal` on it runs the product's Box–Muller code alone. Each read
-    gives a copy of the next piece's bytes, as the product gets new ones (the transform
-    overwrites its words)."""
+    """A keystream drawn beforehand for the ``n`` float32 draws of a step: :meth:`SecureStream.
+    normal` on it runs the product's Box–Muller code alone. Its readers copy the bytes drawn,
+    as the product's readers write new ones (the transform overwrites its words)."""
 
     def __init__(self, n: int, key: bytes | None = None) -> None:
         super().__init__(key)
-        self.drawn: list[np.ndarray] = []
-        for start in range(0, n, 2 * CHUNK):
-            half = (min(n - start, 2 * CHUNK) + 1) // 2
-            for nbytes in (8 * half, 4 * half):  # radii, angles
-                self.drawn.append(super().read(self.claim(nbytes), nbytes))
-        self.calls = 0
+        pairs = sum((min(n - start, 2 * CHUNK) + 1) // 2 for start in range(0, n, 2 * CHUNK))
+        # a step's draw claims as many bytes each time
+        self.drawn = Keystream(self.key).read(0, 12 * pairs)
 
-    def read(self, start: int, nbytes: int) -> np.ndarray:
-        drawn = self.drawn[self.calls % len(self.drawn)]
-        self.calls += 1
-        assert len(drawn) == nbytes, "the draws must come in the order they were made"
-        return drawn.copy()
+    def reader(self, start: int) -> Reader:
+        return _GivenReader(self.drawn, start % len(self.drawn))
+
+
+class _GivenReader(Reader):
+    def __init__(self, drawn: np.ndarray, at: int) -> None:
+        self.drawn, self.at = drawn, at
+
+    def read(self, nbytes: int, into: np.ndarray) -> np.ndarray:
+        into[:nbytes] = self.drawn[self.at : self.at + nbytes]
+        self.at += nbytes
+        return into[:nbytes]
 
 
 def _raw(bit_generator: np.random.BitGenerator, nbytes: int) -> Callable[[], object]:

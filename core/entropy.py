@@ -82,19 +82,42 @@ class Keystream:
 
     def read(self, start: int, nbytes: int) -> np.ndarray:
         """The ``nbytes`` bytes of the stream from byte ``start`` (claimed), in a new array
-        whose start is aligned for 8-byte words, so wider words view it in place (nothing is
-        held between reads: a step's peak memory reuses what its noise draw freed)."""
-        block, lead = divmod(start, BLOCK)
-        total = lead + nbytes
-        buffer = np.empty(total + BLOCK + 8, dtype=np.uint8)  # OpenSSL may write a block more
-        shift = -(buffer.ctypes.data + lead) % 8
-        written = aes_ctr(self._key, block).update_into(
-            memoryview(_zero_bytes(total))[:total], buffer[shift:].data
-        )
-        if written != total:  # CTR is a stream mode: every byte in gives one out
-            raise RuntimeError(f"AES-CTR gave {written} bytes of {total}")
-        return buffer[shift + lead : shift + total]
+        whose start is aligned for 8-byte words, so wider words view it in place."""
+        return self.reader(start).read(nbytes, buffer(nbytes))
+
+    def reader(self, start: int) -> Reader:
+        """A reader of the stream from byte ``start`` on (claimed), part after part."""
+        return Reader(self._key, start)
 
     def next(self, nbytes: int) -> np.ndarray:
         """The stream's next ``nbytes`` bytes (:meth:`read` of a :meth:`claim`)."""
         return self.read(self.claim(nbytes), nbytes)
+
+
+def buffer(nbytes: int) -> np.ndarray:
+    """A byte buffer that :meth:`Reader.read` can read up to ``nbytes`` bytes into (OpenSSL may
+    write a block more), its start aligned for 8-byte words, so that wider words view what is
+    read in place."""
+    raw = np.empty(nbytes + BLOCK + 8, dtype=np.uint8)
+    shift = -raw.ctypes.data % 8
+    return raw[shift : shift + nbytes + BLOCK]
+
+
+class Reader:
+    """Reads a keystream on from a byte, part after part, through one cipher context (making
+    one costs what reading some 50 KiB of keystream does, and the noise process reads a chunk's
+    words in pieces: ``workers.gaussian.make``)."""
+
+    def __init__(self, key: bytes, start: int) -> None:
+        block, lead = divmod(start, BLOCK)
+        self._context = aes_ctr(key, block)
+        if lead:  # the block's first bytes belong to an earlier claim
+            self._context.update(_zero_bytes(lead)[:lead])
+
+    def read(self, nbytes: int, into: np.ndarray) -> np.ndarray:
+        """The stream's next ``nbytes`` bytes, written at the start of ``into`` (a
+        :func:`buffer` for at least ``nbytes``); that part of ``into``."""
+        written = self._context.update_into(memoryview(_zero_bytes(nbytes))[:nbytes], into.data)
+        if written != nbytes:  # CTR is a stream mode: every byte in gives one out
+            raise RuntimeError(f"AES-CTR gave {written} bytes of {nbytes}")
+        return into[:nbytes]

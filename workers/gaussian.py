@@ -19,12 +19,12 @@ import math
 
 import numpy as np
 
-from core.entropy import Keystream
+from core.entropy import Keystream, buffer
 
 #: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
 CHUNK = 1 << 16
 #: Gaussian pairs the noise process makes at once (:func:`make`): 128 KiB held for float32
-#: noise, not a chunk's 512 KiB, for 1.2× the time (``docs/speed-history.md``)
+#: noise, not a chunk's 512 KiB, for 1.1–1.2× the time (``docs/speed-history.md``)
 PIECE = 1 << 14
 #: a chunk: its start and stop in the output, and the keystream byte its words start at
 Chunk = tuple[int, int, int]
@@ -62,25 +62,28 @@ def make(
     scale: float = 1.0,
 ) -> None:
     """Write ``chunk``'s normals, times ``scale``, into the flat float32 or float64 array
-    ``flat``, ``piece`` pairs at a time (the same bits whatever the pieces: each piece's
-    keystream bytes are read from their own place). The radii are formed in ``flat`` itself,
-    the sines too, and the cosines overwrite the angles, so a piece holds at most its radii's
-    words, then its angles' words and the angles: 8 bytes a pair for float32 noise, 16 for
-    float64. Smaller pieces hold less and cost more calls (the noise process, whose time is
-    hidden, takes ``PIECE``). The scale multiplies the radii, half the values, so that no pass
-    over the whole output is left to the caller (the engine's σ·C/B)."""
+    ``flat``, ``piece`` pairs at a time (the same bits whatever the pieces: the radii's words
+    and the angles' are each read on from their place by a reader of their own, one cipher
+    context each for the chunk). The radii are formed in ``flat`` itself, the sines too, and
+    the cosines overwrite the angles; one buffer holds a piece's radii's words, then its
+    angles' words and the angles: 8 bytes a pair for float32 noise, 16 for float64. Smaller
+    pieces hold less and cost more calls (the noise process, whose time is hidden, takes
+    ``PIECE``). The scale multiplies the radii, half the values, so that no pass over the
+    whole output is left to the caller (the engine's σ·C/B)."""
     start, stop, at = chunk
     part = flat[start:stop]
-    half = (len(part) + 1) // 2
-    radius, sine, angles_at = part[:half], part[half:], at + 8 * half
+    half, size = (len(part) + 1) // 2, flat.itemsize
+    radius, sine = part[:half], part[half:]
+    radii_words, angle_words = keystream.reader(at), keystream.reader(at + 8 * half)
+    held = buffer(max(8, 2 * size) * min(piece, half))
     for first in range(0, half, piece):
-        last = min(first + piece, half)
-        r, s = radius[first:last], sine[first:last]
-        radii(keystream.read(at + 8 * first, 8 * (last - first)).view(np.int64), out=r)
+        n = min(piece, half - first)
+        r, s = radius[first : first + n], sine[first : first + n]
+        radii(radii_words.read(8 * n, held).view(np.int64), out=r)
         if scale != 1.0:
             r *= scale
-        words = keystream.read(angles_at + flat.itemsize * first, flat.itemsize * (last - first))
-        angle = angles(words.view(f"i{flat.itemsize}"))
+        words = angle_words.read(size * n, held).view(f"i{size}")
+        angle = angles(words, out=held[size * n : 2 * size * n].view(flat.dtype))
         np.multiply(np.sin(angle[: len(s)], out=s), r[: len(s)], out=s)
         np.multiply(r, np.cos(angle, out=angle), out=r)
 
@@ -120,13 +123,13 @@ def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
     return np.sqrt(out, out=out)
 
 
-def angles(words: np.ndarray) -> np.ndarray:
-    """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), k their
-    top b bits as a signed integer, uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from
-    32-bit words (a float32 significand, so k is exact in float32), in float64 with b = 53
-    from 64-bit ones."""
-    bits, dtype = (24, np.float32) if words.itemsize == 4 else (53, np.float64)
+def angles(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
+    """Box–Muller angles θ = 2π·k·2⁻ᵇ in [−π, π) from keystream words (overwritten), into
+    ``out`` (float32 or float64, the words' width), k their top b bits as a signed integer,
+    uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from 32-bit words (a float32
+    significand, so k is exact in float32), in float64 with b = 53 from 64-bit ones."""
+    bits = 24 if words.itemsize == 4 else 53
     k = np.right_shift(words, 8 * words.itemsize - bits, out=words)
-    angle = k.astype(dtype)
-    angle *= 2 * math.pi * 2.0**-bits
-    return angle
+    np.copyto(out, k, casting="unsafe")
+    out *= 2 * math.pi * 2.0**-bits
+    return out

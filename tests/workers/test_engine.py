@@ -10,7 +10,7 @@ from randomgen import AESCounter
 from torch import nn
 
 from core.config import ModelConfig
-from core.entropy import Keystream
+from core.entropy import Keystream, Reader
 from core.sampling import num_steps, sample_rate
 from workers import gaussian, noise_process
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
@@ -188,11 +188,11 @@ def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
 
 
 class SlowKeystream(Keystream):
-    """Test double: a keystream each of whose reads takes 50 ms longer."""
+    """Test double: a keystream each of whose readers takes 50 ms longer to start."""
 
-    def read(self, start: int, nbytes: int) -> np.ndarray:
+    def reader(self, start: int) -> Reader:
         time.sleep(0.05)
-        return super().read(start, nbytes)
+        return super().reader(start)
 
 
 class Keyed(SecureStream):

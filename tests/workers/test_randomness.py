@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from scipy import stats
 
 from core.config import TrialConfig
-from core.entropy import Keystream
+from core.entropy import Keystream, Reader, buffer
 from workers import gaussian
 from workers.data import Dataset, hold_out
 from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
@@ -216,10 +216,21 @@ class Chosen(Keystream):
         super().__init__(bytes(16))
         self.pieces = list(pieces)
 
-    def read(self, start: int, nbytes: int) -> np.ndarray:
+    def reader(self, start: int) -> Reader:
+        return ChosenReader(self.pieces)
+
+
+class ChosenReader(Reader):
+    """Its readers: each read is the next piece."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def read(self, nbytes: int, into: np.ndarray) -> np.ndarray:
         piece = self.pieces.pop(0)
         assert nbytes == len(piece)
-        return np.frombuffer(bytearray(piece), dtype=np.uint8)
+        into[:nbytes] = np.frombuffer(piece, dtype=np.uint8)
+        return into[:nbytes]
 
 
 @pytest.mark.parametrize(
@@ -244,19 +255,19 @@ def test_box_muller_reaches_the_tails_of_53_bit_uniforms(radius_word, angle_word
 
 
 class Watched(Keystream):
-    """Test double: a keyed keystream that records which thread read which bytes, and whose
-    reads on the noise thread take ``lag`` seconds longer."""
+    """Test double: a keyed keystream that records which thread read from which byte on, and
+    whose readers on the noise thread take ``lag`` seconds longer to start."""
 
     def __init__(self, key: bytes, lag: float = 0.0) -> None:
         super().__init__(key)
         self.lag, self.reads = lag, []
 
-    def read(self, start: int, nbytes: int) -> np.ndarray:
+    def reader(self, start: int) -> Reader:
         thread = threading.current_thread().name
         self.reads.append((thread, start))
         if thread.startswith("dptune-noise"):
             time.sleep(self.lag)
-        return super().read(start, nbytes)
+        return super().reader(start)
 
 
 def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -> None:
@@ -303,6 +314,9 @@ def test_the_keystream_read_anywhere_is_aes_of_the_counter_blocks(start: int) ->
     read = stream.read(start, 50)
     assert read.ctypes.data % 8 == 0  # aligned for 8-byte words
     assert read.tobytes() == _aes_blocks(key, start + 50)[start:]
+    reader, held = stream.reader(start), buffer(40)  # read on in parts, into one buffer
+    parts = b"".join(reader.read(n, held).tobytes() for n in (1, 15, 17, 40))
+    assert parts == _aes_blocks(key, start + 73)[start:]
 
 
 def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
@@ -321,7 +335,7 @@ def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
 
 def test_a_failed_draw_ahead_raises_where_its_noise_is_needed() -> None:
     class Failing(Keystream):  # test double
-        def read(self, start: int, nbytes: int) -> np.ndarray:
+        def reader(self, start: int) -> Reader:
             raise OSError("entropy source gone")
 
     stream = SecureStream()
