@@ -8,10 +8,10 @@ private gradient of every parameter is
 (paper 001 eq. 2 / Algorithm 1, paper 002 eq. 4): the clipped sum has sensitivity C_t (≤ C_t
 for add/remove, ≤ 2C_t for replace-one), the noise is drawn once per logical step whatever the
 number of micro-batches, and the divisor is the expected B, never |𝓑_t| (docs/design.md,
-invariant 1). The buffer takes it as (σ_T·C_t/B)·z, scaled as it is drawn, plus each clipped sum
+invariant 1). The gradient buffer gets (σ_T·C_t/B)·z, scaled as it is drawn, plus each clipped sum
 with its factors divided by B: every term is divided by B before it is added, and no pass over
-the buffer is spent on the scaling or the division (at mlp's B = 64, 0.04× of the non-private
-step's time; logreg's, 0.06×).
+the buffer is spent on the scaling or the division (they took 0.04–0.05× of the non-private
+step's time for mlp and logreg at B = 64).
 
 On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``) on a core that torch's
 threads leave free: a model-sized draw from the AES-CTR stream costs as much as a whole
