@@ -10,6 +10,8 @@ PostgreSQL: the same transaction locks the dataset row with ``SELECT … FOR UPD
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 from typing import Any
 
 import msgspec
@@ -30,6 +32,10 @@ pool (5 + 10) ran dry — requests queued on the budget lock held the connection
 failed after its 30 s timeout (HTTP 500), some after their job was admitted
 (bench/service_load.py). 40 is also anyio's default number of worker threads."""
 POOL = {"pool_size": POOL_SIZE, "max_overflow": 10}  # overflow: the poller, health checks
+
+SQLITE_TIMEOUT_S = 60.0
+"""How long a SQLite connection waits for another's lock (its busy timeout), and for a new
+database's switch to WAL (:func:`_journal_wal`)."""
 
 
 def create_db_engine(url: str) -> Engine:
@@ -76,16 +82,14 @@ def _create(url: URL) -> Engine:
     options: dict[str, Any] = {"json_deserializer": json_loads, **POOL}
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, **options)
-    connect_args = {"timeout": 60, "check_same_thread": False}
+    connect_args = {"timeout": SQLITE_TIMEOUT_S, "check_same_thread": False}
     engine = create_engine(url, connect_args=connect_args, **options)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # no implicit BEGIN from pysqlite
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
-        cursor.close()
+        dbapi_connection.execute("PRAGMA foreign_keys=ON")
+        _journal_wal(dbapi_connection)  # readers do not wait for the writer
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
@@ -93,6 +97,23 @@ def _create(url: URL) -> Engine:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def _journal_wal(dbapi_connection: sqlite3.Connection) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while the database is locked. Switching a database
+    that is not in WAL mode yet (a new one) takes its write lock, and while another connection
+    holds that lock SQLite answers "database is locked" at once, without waiting its busy
+    timeout: two services starting together on a new database (a CI run saw one of them fail
+    so; ``tests/service/test_schema.py`` holds the lock and checks the wait)."""
+    deadline = time.monotonic() + SQLITE_TIMEOUT_S
+    while True:
+        try:
+            dbapi_connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def redact(url: URL) -> str:

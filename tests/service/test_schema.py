@@ -4,8 +4,10 @@ refuses one it does not know, and ``dptune db upgrade`` / ``current`` migrate an
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -128,6 +130,27 @@ def test_services_starting_together_migrate_once(settings, tmp_path):
     engine = create_db_engine(settings.sqlalchemy_url)
     assert current_revision(engine) == head_revision()
     engine.dispose()
+
+
+def test_a_connection_to_a_new_sqlite_database_waits_for_its_write_lock(tmp_path):
+    """Switching a database to WAL takes its write lock, and SQLite answers "database is
+    locked" at once, without waiting its busy timeout, while another connection holds it
+    (one of two services starting together on a new database failed so): the connection
+    waits for the lock instead."""
+    path = tmp_path / "new.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE seed (x INTEGER)")  # a database not in WAL mode yet
+    holder.execute("BEGIN IMMEDIATE")  # its write lock, held for a moment
+    release = threading.Timer(0.3, holder.execute, ["COMMIT"])
+    release.start()
+    engine = create_db_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    finally:
+        release.join()
+        engine.dispose()
+        holder.close()
 
 
 def test_db_commands(settings, engine, monkeypatch):
