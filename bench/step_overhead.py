@@ -192,7 +192,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 
     def settle() -> None:  # the draw made ahead for the next step, done (interleaved timing)
         if private.ahead is not None:
-            private.ahead[0].result()
+            private.ahead.result()
 
     dp_step.settle = settle  # type: ignore[attr-defined]
     return dp_step

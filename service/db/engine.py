@@ -111,7 +111,7 @@ def _journal_wal(dbapi_connection: sqlite3.Connection) -> None:
             dbapi_connection.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as err:
-            if "locked" not in str(err) or time.monotonic() > deadline:
+            if err.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
 

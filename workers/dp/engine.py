@@ -138,8 +138,8 @@ class PrivateStep:
         )
         #: each parameter's part of the buffer, by name: what the clipper adds its sums into
         self.views = self._views(self.flat)
-        #: the next step's noise being drawn ahead, and its standard deviation
-        self.ahead: tuple[Drawing, float] | None = None
+        #: the next step's noise being drawn ahead
+        self.ahead: Drawing | None = None
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -181,8 +181,7 @@ class PrivateStep:
 
     def _draw_ahead(self) -> None:
         """Start drawing the next step's noise, at this threshold's standard deviation."""
-        std = self.noise_std(self.rule.threshold)
-        self.ahead = (self.noise.normal_ahead(self.flat, std), std)
+        self.ahead = self.noise.normal_ahead(self.flat, self.noise_std(self.rule.threshold))
 
     def _noise(self, std: float) -> None:
         """Put this step's noise of standard deviation ``std`` (σ_T·C_t/B) in ``flat``: the
@@ -191,10 +190,10 @@ class PrivateStep:
         if self.ahead is None:
             self.noise.normal(self.flat.numel(), out=self.flat, scale=std)
             return
-        (ahead, drawn), self.ahead = self.ahead, None
+        ahead, self.ahead = self.ahead, None
         ahead.result()
-        if drawn != std:
-            self.flat.mul_(std / drawn)
+        if ahead.scale != std:
+            self.flat.mul_(std / ahead.scale)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
         """Private gradient, optimizer step, then the threshold rule's update for step t+1;

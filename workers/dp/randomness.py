@@ -123,13 +123,13 @@ class SecureStream:
         plain = type(self).normal is SecureStream.normal and out.is_contiguous()
         if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
             drawn = _drawing_thread().submit(self.normal, out.shape, out=out, scale=scale)
-            return Drawing(out, _OnThread(None, drawn))
+            return Drawing(out, scale, _OnThread(None, drawn))
         flat, process = out.detach().view(-1).numpy(), current_noise_process()
         shared = process is not None and process.shares(flat) and process.ready()
         if shared and type(self.keystream) is Keystream:
-            return Drawing(out, process.draw(self.keystream, flat, scale))
+            return Drawing(out, scale, process.draw(self.keystream, flat, scale))
         draw = BoxMuller(self.keystream, flat, scale)
-        return Drawing(out, _OnThread(draw, _drawing_thread().submit(draw.run)))
+        return Drawing(out, scale, _OnThread(draw, _drawing_thread().submit(draw.run)))
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
@@ -144,14 +144,14 @@ class SecureStream:
 
 
 class Drawing:
-    """Standard normals being drawn into ``out`` beside the step (:meth:`SecureStream.
-    normal_ahead`). :meth:`result` waits for them, and meanwhile makes the draw's chunks not
-    yet begun: whoever asks for noise that is not ready has nothing else to do, and on a spare
-    core the two halve what is left (``workers.dp.engine``: logreg's step at B = 64 waited for
-    its draw)."""
+    """Normals of standard deviation ``scale`` being drawn into ``out`` beside the step
+    (:meth:`SecureStream.normal_ahead`). :meth:`result` waits for them, and meanwhile makes
+    the draw's chunks not yet begun: whoever asks for noise that is not ready has nothing else
+    to do, and on a spare core the two halve what is left (``workers.dp.engine``: logreg's step
+    at B = 64 waited for its draw)."""
 
-    def __init__(self, out: Tensor, pending: _Pending) -> None:
-        self.out, self._pending = out, pending
+    def __init__(self, out: Tensor, scale: float, pending: _Pending) -> None:
+        self.out, self.scale, self._pending = out, scale, pending
 
     def done(self) -> bool:
         return self._pending.done()
