@@ -3,7 +3,8 @@ an upper bound on every row's squared norm, within a few parts per million, chec
 exact sums (``math.fsum`` of the float64 squares of float32 values, which are exact) on
 ordinary, heavy-tailed, wide-ranging and adversarial rows; hostile rows (NaN, ±inf, squares
 that overflow or underflow float32) as the float64 path gives them. Small inputs and other
-dtypes: the float64 path itself."""
+dtypes: the float64 path itself. ``clip_factors``: zero wherever a norm or a factor is not
+finite."""
 
 from __future__ import annotations
 
@@ -141,3 +142,23 @@ def test_rows_laid_out_in_another_order_are_read_in_place(blocks: None, n: int) 
     assert total.shape == (5, 3, n)
     expected = (coef.view(-1, 1, 1, 1) * ordered.double()).sum(0)
     torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_clip_factors_are_zero_wherever_the_norm_or_the_factor_is_not_finite() -> None:
+    """``clip_factors`` against a plain elementwise rule: a factor survives only where both the
+    norm and the factor are finite, and it survives unchanged. ``keep_all`` answers 1 even for
+    a NaN or infinite norm, so only the norm's own check can zero those."""
+    inf, nan = math.inf, math.nan
+    norms = torch.tensor([[0.0, 0.5], [2.0, inf], [nan, 3.0], [1e-320, 1e300]], dtype=torch.float64)
+
+    def keep_all(n: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(n)
+
+    def wild(n: torch.Tensor) -> torch.Tensor:  # a NaN, ±inf and finite factors
+        return torch.tensor([[nan, 2.0], [-inf, 0.25], [1.0, inf], [7.0, -0.5]], dtype=n.dtype)
+
+    for coef_fn in (keep_all, wild, clipping.coefficient_fn("auto_v", 1.0, 2)):
+        coef = coef_fn(norms)
+        flat = zip(norms.flatten().tolist(), coef.flatten().tolist(), strict=True)
+        expected = [c if math.isfinite(n) and math.isfinite(c) else 0.0 for n, c in flat]
+        assert clipping.clip_factors(coef_fn, norms).flatten().tolist() == expected

@@ -44,6 +44,7 @@ is *not* per-sample cannot be told apart — the built-in models are tested for 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -165,10 +166,10 @@ class _Groups:
         group_of: dict[str, int],
         coef_fn: CoefFn,
         out: Mapping[str, Tensor],
-        like: Tensor,
     ) -> None:
         self.group_of, self.coef_fn, self.out = group_of, coef_fn, out
-        self.norms = like.new_zeros(len(groups), like.shape[0], dtype=torch.float64)
+        self.squares: list[list[Tensor]] = [[] for _ in groups]  # by group: squares [B] taken
+        self.norms: dict[int, Tensor] = {}  # by group, once it is clipped: its norms [B]
         self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
         self.coef: dict[int, Tensor] = {}
         self.finite: dict[int, bool] = {}  # whether every example's norm is finite, by group
@@ -187,14 +188,26 @@ class _Groups:
             return
         for other in [u for u in self.arrived if self._groups(u) & complete]:
             for name, square in other.squares().items():
-                self.norms[self.group_of[name]].add_(square)
+                self.squares[self.group_of[name]].append(square)
             self.arrived.remove(other)
             self.measured.append(other)
         for m in complete:
-            self.norms[m].sqrt_()
-            self.coef[m] = clip_factors(self.coef_fn, self.norms[m].unsqueeze(1))[:, 0]
-            self.finite[m] = bool(self.norms[m].isfinite().all())
+            self._clip(m)
         self.measured = [u for u in self.measured if not self._sum(u)]
+
+    def _clip(self, m: int) -> None:
+        """Group ``m``'s norms, its clip factors, and whether all its norms are finite.
+
+        Its squares are added in one reduction, and its norms checked by their sum: a finite
+        float64 norm is below 1.4e154, so B of them add up to a finite sum, and a NaN or an
+        infinite one makes it NaN or infinite. Each small tensor operation costs a CPU step
+        several microseconds, more than the arithmetic on these [B]-sized tensors."""
+        parts = self.squares[m]
+        norms = (parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)).sqrt()
+        parts.clear()
+        self.norms[m] = norms
+        self.coef[m] = clip_factors(self.coef_fn, norms.unsqueeze(1))[:, 0]
+        self.finite[m] = bool(norms.sum() < math.inf)
 
     def _sum(self, unit: _Layer | _Fallback) -> bool:
         """Add ``unit``'s clipped sums to ``out`` if all its groups are clipped."""
@@ -202,7 +215,9 @@ class _Groups:
         if any(m not in self.coef for m in groups):
             return False
         # which examples add to the sums: all, unless some norm of these groups is not finite
-        keep = None if all(self.finite[m] for m in groups) else self.norms[groups].isfinite().all(0)
+        keep = None
+        if not all(self.finite[m] for m in groups):
+            keep = torch.stack([self.norms[m] for m in groups]).isfinite().all(0)
 
         def rows(x: Tensor) -> Tensor:
             return x if keep is None or not x.is_floating_point() else zero_rows(x, keep)
@@ -214,7 +229,7 @@ class _Groups:
     def done(self) -> Tensor:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
-        return self.norms.T
+        return torch.stack([self.norms[m] for m in range(len(self.squares))], 1)
 
 
 def _fall_back(module_name: str, module: nn.Module, reason: str) -> None:
@@ -467,7 +482,7 @@ def clipped_grad_sum(
             _fall_back(layer.name, layer.module, reason)
             fallback += layer.params.values()
     layers = [layer for layer in layers if layer.inputs and not layer.shared]
-    clipping = _Groups(groups, group_of, coef_fn, sums, losses)
+    clipping = _Groups(groups, group_of, coef_fn, sums)
     _backward(losses, layers, clipping)
     del losses
     if fallback:

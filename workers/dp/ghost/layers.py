@@ -197,7 +197,7 @@ def _scaled(g: Tensor, coef: Tensor) -> Tensor:
     R_m; clamping only shrinks c·g, and with it ‖c·g aᵀ‖ = ‖c·g‖·‖a‖.
     """
     big = torch.finfo(g.dtype).max
-    scaled = g.double() * coef.double().view(-1, *([1] * (g.dim() - 1)))
+    scaled = g * coef.double().view(-1, *([1] * (g.dim() - 1)))  # float64: g promoted exactly
     return scaled.clamp_(-big, big).to(g.dtype)
 
 
@@ -212,6 +212,12 @@ def _rows(per_call: Sequence[Tensor]) -> Tensor:
     for part in per_call[1:]:
         total = total + part
     return total
+
+
+def _row_size(x: Tensor) -> int:
+    """The number of elements of ``x[0]``, from the shape (indexing is an operation of its own,
+    several microseconds in a step)."""
+    return math.prod(x.shape[1:])
 
 
 def _trainable(module: nn.Module, name: str) -> bool:
@@ -344,7 +350,7 @@ class LinearRule(LayerRule):
         self, module: nn.Module, activation: Tensor, output_shape: torch.Size
     ) -> bool:
         d, p = activation.shape[-1], output_shape[-1]
-        positions = activation[0].numel() // d
+        positions = _row_size(activation) // d
         return positions > 1 and not use_ghost(positions, d, p)  # then p·d < T(d + p)
 
     def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
@@ -435,7 +441,7 @@ class ConvRule(LayerRule):
 
     @staticmethod
     def _ghost_cheaper(module: nn.Conv1d | nn.Conv2d, positions: int) -> bool:
-        p, d = module.out_channels // module.groups, module.weight[0].numel()  # per conv group
+        p, d = module.out_channels // module.groups, _row_size(module.weight)  # per conv group
         return use_ghost(positions, d, p)
 
     def keeps_per_sample(
@@ -477,8 +483,8 @@ class ConvRule(LayerRule):
 
     def _patch_chunks(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call]) -> list[slice]:
         """Chunks of samples whose unfolded patches and output gradients fit the chunk size."""
-        positions = sum(c.grad[0].numel() // module.out_channels for c in calls)
-        p, d = module.out_channels // module.groups, module.weight[0].numel()  # per group
+        positions = sum(_row_size(c.grad) // module.out_channels for c in calls)
+        p, d = module.out_channels // module.groups, _row_size(module.weight)  # per group
         return _chunks(calls[0].grad.shape[0], module.groups * positions * (d + p))
 
     def _positions(
@@ -519,17 +525,14 @@ class ConvRule(LayerRule):
         about 3×3 outputs up (P ≈ T); for stride 2 it does not (P ≈ 4T)."""
         if len(calls) != 1:
             return False
-        positions = calls[0].grad[0].numel() // module.out_channels
+        positions = _row_size(calls[0].grad) // module.out_channels
         if positions == 1 or not self._ghost_cheaper(module, positions):
             return False
         x4, geo = self._as_2d(module, calls[0].activation[:1])
         pixels = math.prod(n + 2 * pad for n, pad in zip(x4.shape[2:], geo["padding"], strict=True))
         grams = module.groups * positions * positions
-        offsets = math.prod(geo["kernel_size"])
-        return (
-            pixels * pixels * module.in_channels + offsets * grams
-            < grams * module.weight[0].numel()
-        )
+        offsets, d = math.prod(geo["kernel_size"]), _row_size(module.weight)
+        return pixels * pixels * module.in_channels + offsets * grams < grams * d
 
     def _pixel_sq_norms(self, module: nn.Conv1d | nn.Conv2d, call: Call) -> Tensor:
         """``positions_sq_norms``' ghost norm, its patches' Gram matrices formed from the pixels'
@@ -554,7 +557,7 @@ class ConvRule(LayerRule):
         pairs = (reads.unsqueeze(-1) * pixels + reads.unsqueeze(-2)).flatten()  # [K·T·T]
         per_sample = groups * (pixels * pixels + (offsets + 2) * positions * positions)
         out = []
-        for part in _chunks(len(x4), per_sample + x4[0].numel() + g4[0].numel()):
+        for part in _chunks(len(x4), per_sample + _row_size(x4) + _row_size(g4)):
             x = F.pad(x4[part].double(), (pw, pw, ph, ph)).reshape(
                 len(x4[part]), groups, -1, pixels
             )
@@ -562,7 +565,7 @@ class ConvRule(LayerRule):
             gram = by_pixel[..., pairs].view(len(x), groups, offsets, positions, positions).sum(2)
             g = g4[part].double().reshape(len(x), groups, -1, positions).mT  # [b, G, T, p]
             norms = gram.diagonal(dim1=-2, dim2=-1).sqrt() * torch.linalg.vector_norm(g, dim=-1)
-            out.append(_ghost_sq_norms(gram, g, norms.sum(-1), module.weight[0].numel()).sum(1))
+            out.append(_ghost_sq_norms(gram, g, norms.sum(-1), _row_size(module.weight)).sum(1))
         return _cat(out, 0)
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
@@ -579,11 +582,11 @@ class ConvRule(LayerRule):
         kernels. On CPU this is 0.66–1.10× its time for resnet18's layers."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         batch = calls[0].grad.shape[0]
-        positions = sum(c.grad[0].numel() // module.out_channels for c in calls)
+        positions = sum(_row_size(c.grad) // module.out_channels for c in calls)
         # float64 inputs (and their padded copy), output gradients (float64, scaled, reordered)
         # and patches
-        elements = sum(2 * c.activation[0].numel() + 3 * c.grad[0].numel() for c in calls)
-        elements += positions * module.groups * module.weight[0].numel()
+        elements = sum(2 * _row_size(c.activation) + 3 * _row_size(c.grad) for c in calls)
+        elements += positions * module.groups * _row_size(module.weight)
         total = functools.reduce(
             Tensor.add_,  # each chunk's sum is a fresh tensor: the first one takes the rest
             (
