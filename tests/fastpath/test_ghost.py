@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from workers.dp.ghost import FallbackWarning, clipped_grad_sum
+from workers.dp.ghost import clipper as ghost_clipper
 from workers.dp.ghost import layers as ghost_layers
 
 RTOL = 1e-5
@@ -396,6 +397,44 @@ def test_the_faster_way_is_kept_after_each_has_run_its_timed_runs() -> None:
     for _ in range(3):
         assert torch.equal(faster(torch.zeros(4)), torch.full((4,), 2.0))
     assert calls[2 * runs :] == ["quick"] * 3
+
+
+class TwoDtypes(nn.Module):
+    """A float32 layer over positions (per-sample gradients kept) feeding float64 layers (a
+    LayerNorm's kept too, a Linear's book-kept): kept gradients of two dtypes in one group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8).double()
+        self.head = nn.Linear(8, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.tanh(self.first(x)).double()
+        return self.head(self.norm(hidden).mean(1)).float()
+
+
+@pytest.mark.parametrize("style_name", STYLES)
+def test_parameters_of_two_dtypes_match_and_convert_factors_once_per_group_and_dtype(
+    style_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group's factors are converted to a kept gradient's dtype once a step, not once per
+    parameter (two operations each: kernel launches on a GPU), and float64 ones not at all."""
+    converted: list[torch.dtype] = []
+    convert = ghost_clipper.factors_as
+
+    def counted(coef: Tensor, dtype: torch.dtype) -> Tensor:
+        converted.append(dtype)
+        return convert(coef, dtype)
+
+    monkeypatch.setattr(ghost_clipper, "factors_as", counted)
+    torch.manual_seed(0)
+    x = torch.randn(7, 4, 6, generator=torch.Generator().manual_seed(2))
+    check(TwoDtypes(), x, data("dense")[1], style_name)
+    groups_with_float32 = sum(
+        any(n.startswith("first.") for n in g) for g in style(TwoDtypes(), style_name)
+    )
+    assert converted == [torch.float32] * groups_with_float32
 
 
 def test_shared_layer_sums_its_calls() -> None:

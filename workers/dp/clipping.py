@@ -232,9 +232,11 @@ def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:
 
 def clipped_sum(coef: Tensor, per_sample: Tensor) -> Tensor:
     """Σ_i coef[i] · per_sample[i] [B, …] → […], in the per-sample tensor's dtype (a permuted
-    view where ``per_sample`` is laid out in another order than its axes')."""
+    view where ``per_sample`` is laid out in another order than its axes'). ``coef`` as
+    ``clip_factors`` gives them (finite), or already in that dtype by ``factors_as``."""
     rows, order = in_memory_order(per_sample)
-    total = torch.tensordot(factors_as(coef, per_sample.dtype), rows, dims=1)
+    same = coef.dtype == per_sample.dtype
+    total = torch.tensordot(coef if same else factors_as(coef, per_sample.dtype), rows, dims=1)
     if rows is per_sample:
         return total
     return total.permute(sorted(range(total.dim()), key=lambda k: order[k + 1]))

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -54,11 +54,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from workers.dp.clipping import CoefFn, clip_factors, clipped_sum, sq_norms, zero_rows
+from workers.dp.clipping import CoefFn, clip_factors, clipped_sum, factors_as, sq_norms, zero_rows
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-Sums = dict[str, Tensor]
 
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
@@ -106,13 +105,14 @@ class _Layer:
         return {self.params[attr]: value for attr, value in by_attr.items()}
 
     def add_sums(
-        self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
+        self, coef: _Factors, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
     ) -> None:
         """Add the clipped sums of its parameters into ``out``, for factors ``coef`` (both by
         full name), from its tensors passed through ``rows`` (which zeroes dropped examples)."""
         if self.kept is not None:
             for attr, g in self.kept.items():
-                out[self.params[attr]].add_(clipped_sum(coef[self.params[attr]], rows(g)))
+                name = self.params[attr]
+                out[name].add_(clipped_sum(coef.as_dtype(name, g.dtype), rows(g)))
             return
         calls = [Call(rows(c.activation), rows(c.grad)) for c in self.calls]
         self.rule.add_sums(
@@ -142,10 +142,10 @@ class _Fallback:
         return {name: sq_norms(g) for name, g in self.grads.items()}
 
     def add_sums(
-        self, coef: Sums, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
+        self, coef: _Factors, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
     ) -> None:
         for name, g in self.grads.items():
-            out[name].add_(clipped_sum(coef[name], rows(g)))
+            out[name].add_(clipped_sum(coef.as_dtype(name, g.dtype), rows(g)))
 
     def release(self) -> None:
         self.grads.clear()
@@ -172,6 +172,7 @@ class _Groups:
         self.norms: dict[int, Tensor] = {}  # by group, once it is clipped: its norms [B]
         self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
         self.coef: dict[int, Tensor] = {}
+        self.converted: dict[tuple[int, torch.dtype], Tensor] = {}  # ``factors``, by dtype
         self.finite: dict[int, bool] = {}  # whether every example's norm is finite, by group
         self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
         self.measured: list[_Layer | _Fallback] = []  # norms taken, sums not added yet
@@ -209,6 +210,14 @@ class _Groups:
         self.coef[m] = clip_factors(self.coef_fn, norms.unsqueeze(1))[:, 0]
         self.finite[m] = bool(norms.sum() < math.inf)
 
+    def factors(self, m: int, dtype: torch.dtype) -> Tensor:
+        """Group ``m``'s clip factors in ``dtype`` (``factors_as``), converted once a step."""
+        if dtype == self.coef[m].dtype:
+            return self.coef[m]  # finite (``clip_factors``): nothing to convert or clamp
+        if (m, dtype) not in self.converted:
+            self.converted[m, dtype] = factors_as(self.coef[m], dtype)
+        return self.converted[m, dtype]
+
     def _sum(self, unit: _Layer | _Fallback) -> bool:
         """Add ``unit``'s clipped sums to ``out`` if all its groups are clipped."""
         groups = sorted(self._groups(unit))
@@ -222,7 +231,7 @@ class _Groups:
         def rows(x: Tensor) -> Tensor:
             return x if keep is None or not x.is_floating_point() else zero_rows(x, keep)
 
-        unit.add_sums({name: self.coef[self.group_of[name]] for name in unit.names}, rows, self.out)
+        unit.add_sums(_Factors(self, unit.names), rows, self.out)
         unit.release()
         return True
 
@@ -230,6 +239,28 @@ class _Groups:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
         return torch.stack([self.norms[m] for m in range(len(self.squares))], 1)
+
+
+class _Factors(Mapping[str, Tensor]):
+    """A unit's clip factors by parameter name: float64, as clipped (``coef[name]``), and in a
+    per-sample tensor's dtype (``as_dtype``), converted once a step for each group and dtype.
+    ``clipped_sum`` converted them for each parameter: two operations, two kernel launches
+    on a GPU, for each of the transformer's 28 parameters with kept per-sample gradients."""
+
+    def __init__(self, groups: _Groups, names: list[str]) -> None:
+        self._groups, self._names = groups, names
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._groups.coef[self._groups.group_of[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def as_dtype(self, name: str, dtype: torch.dtype) -> Tensor:
+        return self._groups.factors(self._groups.group_of[name], dtype)
 
 
 def _fall_back(module_name: str, module: nn.Module, reason: str) -> None:
