@@ -211,7 +211,8 @@ class _Groups:
         self.finite[m] = bool(norms.sum() < math.inf)
 
     def factors(self, m: int, dtype: torch.dtype) -> Tensor:
-        """Group ``m``'s clip factors in ``dtype`` (``factors_as``), converted once a step."""
+        """Group ``m``'s clip factors in ``dtype`` (``factors_as``), converted once a clipper
+        call (a micro-batch)."""
         if dtype == self.coef[m].dtype:
             return self.coef[m]  # finite (``clip_factors``): nothing to convert or clamp
         if (m, dtype) not in self.converted:
@@ -243,7 +244,7 @@ class _Groups:
 
 class _Factors(Mapping[str, Tensor]):
     """A unit's clip factors by parameter name: float64, as clipped (``coef[name]``), and in a
-    per-sample tensor's dtype (``as_dtype``), converted once a step for each group and dtype.
+    per-sample tensor's dtype (``as_dtype``), converted once a call for each group and dtype.
     ``clipped_sum`` converted them for each parameter: two operations, two kernel launches
     on a GPU, for each of the transformer's 28 parameters with kept per-sample gradients."""
 
