@@ -17,10 +17,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveFloat,
     PositiveInt,
     model_validator,
 )
+from pydantic import Strict as StrictType
 
 ClippingFunction = Literal["abadi", "auto_s", "auto_v"]
 ClippingStyle = Literal["all_layer", "layer_wise", "param_wise", "groups"]
@@ -30,8 +30,43 @@ ModelName = Literal["logreg", "mlp", "cnn", "resnet18", "resnet34", "lstm", "tra
 PerSamplePath = Literal["fast", "general"]
 
 
+#: float32's smallest normal and largest finite numbers (IEEE 754 binary32)
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, 3.4028234663852886e38
+
+# Ranges (closed) of the numbers that reach the DP mechanism (docs/design.md, invariant 12).
+# The engine forms g̃ = (C/B)·(Σᵢ c̃ᵢgᵢ + σ_T·z) with ‖c̃ᵢgᵢ‖ ≤ 1 (``workers.dp.engine``), so
+# the noise σ_T·z and every contribution are normal float32 numbers whenever σ_T is, and the
+# scale C/B ∈ [1e-10, 1e4] keeps the noise normal after it; the optimizer's numbers are
+# bounded so that its arithmetic on g̃ (g̃/(√v̂ + eps), lr·update) stays normal and finite.
+# The bounds are generous for real use: outside them a run is degenerate, not more accurate.
+#: clipping threshold C (and every adaptive C_t: rules clamp into it)
+THRESHOLD = (1e-4, 1e4)
+#: noise multipliers: σ, σ_T, σ_H, σ_b, the validation score's; the floor is the planner's
+#: smallest σ (``core.accounting.calibration.SIGMA_MIN``)
+NOISE = (1e-2, 1e6)
+LEARNING_RATE = (1e-7, 1e2)
+ADAM_EPS = (1e-12, 1.0)
+#: AUTO-S's stability constant γ (paper 003) and DP-AdamBC's floor γ′ (paper 004)
+AUTO_S_GAMMA = (1e-6, 1e2)
+GAMMA_PRIME = (1e-16, 1.0)
+WEIGHT_DECAY = (0.0, 10.0)
+#: η_C of Andrew et al.'s geometric update
+THRESHOLD_RATE = (1e-4, 10.0)
+MAX_BINS = 1000
+#: the largest expected batch size B: with C ≥ 1e-4 the scale C/B is at least 1e-10
+MAX_BATCH = 1_000_000
+
+
+Threshold = Annotated[float, Field(ge=THRESHOLD[0], le=THRESHOLD[1])]
+Noise = Annotated[float, Field(ge=NOISE[0], le=NOISE[1])]
+#: a coefficient in [0, 1): momentum, Adam's β₁ and β₂ (strict also inside a lax tuple)
+Coefficient = Annotated[float, StrictType(), Field(ge=0, lt=1)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Forbids unknown fields, NaN, ±inf and coercion: no string or bool is read as a number."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class DatasetConfig(Strict):
@@ -115,11 +150,22 @@ class LayerRoute(Strict):
     reason: str | None = None
 
 
+class StateTensor(Strict):
+    """One ``state_dict`` entry of a model as built: its shape and element type (numpy's name:
+    ``float32``, ``int64``, ``bool`` …)."""
+
+    shape: list[int]
+    dtype: str
+
+
 class ModelReport(Strict):
     """What inspecting a model found (``workers.models.inspect``), for the input shape and
     label count it was built with and the job's per-sample path: its size, which modules'
     parameters take the fast path (ghost clipping, ``workers.dp.ghost``) or the general one
-    (``torch.func``), and what makes it unfit for DP-SGD. A model with refusals never trains."""
+    (``torch.func``), and what makes it unfit for DP-SGD. A model with refusals never trains.
+    ``state`` is its ``state_dict`` as the factory built it: exactly what a released weights
+    file holds (``workers.release``; the control plane checks uploads against it). None in a
+    job admitted before the layout was recorded."""
 
     input_shape: list[int]
     num_classes: int
@@ -129,6 +175,7 @@ class ModelReport(Strict):
     fast: list[LayerRoute]
     general: list[LayerRoute]
     refused: list[LayerRoute]
+    state: dict[str, StateTensor] | None = None
 
     @property
     def reason(self) -> str:
@@ -144,21 +191,23 @@ class AdaptiveConfig(Strict):
     """
 
     rule: AdaptiveRule
-    histogram_noise: PositiveFloat = 5.0  # σ_H of the noisy norm histogram (DC-SGD)
-    bins: PositiveInt = 20  # b
-    initial_range: PositiveFloat | None = None  # R₀; None picks the rule's default
+    histogram_noise: Noise = 5.0  # σ_H of the noisy norm histogram (DC-SGD)
+    bins: int = Field(20, ge=1, le=MAX_BINS)  # b
+    initial_range: Threshold | None = None  # R₀; None picks the rule's default
     percentile: float = Field(0.5, gt=0, lt=1)  # p of DC-SGD-P and of Andrew et al.
-    learning_rate: PositiveFloat = 0.2  # η_C of Andrew et al.'s geometric update
-    count_noise: PositiveFloat | None = None  # σ_b of Andrew et al.'s unclipped count; None: B/20
+    #: η_C of Andrew et al.'s geometric update
+    learning_rate: float = Field(0.2, ge=THRESHOLD_RATE[0], le=THRESHOLD_RATE[1])
+    count_noise: Noise | None = None  # σ_b of Andrew et al.'s unclipped count; None: B/20
     decay: float = Field(0.5, gt=0, le=1)  # ρ_C of Du et al.: C_t = C₀ ρ_C^(t/T)
 
 
 class MethodConfig(Strict):
     clipping: ClippingFunction = "abadi"
-    gamma: PositiveFloat = 0.01  # stability constant of AUTO-S (paper 003)
+    #: stability constant of AUTO-S (paper 003)
+    gamma: float = Field(0.01, ge=AUTO_S_GAMMA[0], le=AUTO_S_GAMMA[1])
     style: ClippingStyle = "all_layer"
     groups: list[list[str]] | None = None  # parameter-name prefixes, style == "groups" only
-    threshold: PositiveFloat = 1.0  # R (or C₀ for adaptive rules)
+    threshold: Threshold = 1.0  # R (or C₀ for adaptive rules)
     adaptive: AdaptiveConfig | None = None
     per_sample: PerSamplePath = "fast"
 
@@ -173,12 +222,14 @@ class MethodConfig(Strict):
 
 class OptimizerConfig(Strict):
     name: OptimizerName = "sgd"
-    lr: PositiveFloat = 0.1
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
-    gamma_prime: PositiveFloat = 1e-8  # γ′ floor of DP-AdamBC (paper 004, Algorithm 2)
+    lr: float = Field(0.1, ge=LEARNING_RATE[0], le=LEARNING_RATE[1])
+    momentum: Coefficient = 0.0
+    weight_decay: float = Field(0.0, ge=WEIGHT_DECAY[0], le=WEIGHT_DECAY[1])
+    #: a JSON list is read as the tuple; its items are strict
+    betas: Annotated[tuple[Coefficient, Coefficient], Field(strict=False)] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=ADAM_EPS[0], le=ADAM_EPS[1])
+    #: γ′ floor of DP-AdamBC (paper 004, Algorithm 2)
+    gamma_prime: float = Field(1e-8, ge=GAMMA_PRIME[0], le=GAMMA_PRIME[1])
 
 
 class ValidationConfig(Strict):
@@ -186,7 +237,7 @@ class ValidationConfig(Strict):
     private one released through a Gaussian mechanism with noise multiplier ``noise``."""
 
     split: Literal["public", "private"] = "public"
-    noise: PositiveFloat | None = None
+    noise: Noise | None = None
     fraction: float = Field(0.1, gt=0, lt=1)  # share of the private data held out if "private"
 
     @model_validator(mode="after")
@@ -202,11 +253,11 @@ class TrialConfig(Strict):
     method: MethodConfig = Field(default_factory=MethodConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    epochs: PositiveFloat = 1.0
-    batch_size: PositiveInt = 64  # expected logical batch size B; q = B / N
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)  # expected logical batch size B; q = B / N
     physical_batch_size: PositiveInt = 256
-    noise_multiplier: PositiveFloat | None = None  # σ; or calibrate from target_epsilon
-    target_epsilon: PositiveFloat | None = None
+    noise_multiplier: Noise | None = None  # σ; or calibrate from target_epsilon
+    target_epsilon: float | None = Field(None, gt=0)
     delta: float = Field(1e-5, gt=0, lt=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

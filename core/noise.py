@@ -8,7 +8,7 @@ cost at DP-SGD's with σ. The planner shows σ_T; the engine adds it to the grad
 from __future__ import annotations
 
 from core.accounting import split_noise
-from core.config import MethodConfig
+from core.config import NOISE, MethodConfig
 
 
 def release_noise(method: MethodConfig, expected_batch_size: int) -> float | None:
@@ -23,7 +23,8 @@ def release_noise(method: MethodConfig, expected_batch_size: int) -> float | Non
 
 def gradient_noise(method: MethodConfig, expected_batch_size: int, sigma: float) -> float:
     """σ_T left for the gradient once the rule's release takes its share of σ (paper 001,
-    Theorem 2); errors name the config field that sets the release's noise."""
+    Theorem 2), at most ``NOISE``'s ceiling; errors name the config field that sets the
+    release's noise."""
     release = release_noise(method, expected_batch_size)
     if release is None:
         return sigma
@@ -33,6 +34,12 @@ def gradient_noise(method: MethodConfig, expected_batch_size: int, sigma: float)
         else "method.adaptive.histogram_noise"
     )
     try:
-        return split_noise(sigma, release)
+        grad = split_noise(sigma, release)
     except ValueError as err:
         raise ValueError(f"{field}: {err}") from err
+    if grad > NOISE[1]:  # a release noise just above σ leaves σ_T unbounded (invariant 12)
+        raise ValueError(
+            f"{field}: {release:g} is so close to the noise multiplier {sigma:.4g} that the "
+            f"gradient's σ_T = {grad:.4g} exceeds {NOISE[1]:g}"
+        )
+    return grad

@@ -18,14 +18,15 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    PositiveFloat,
     Tag,
     TypeAdapter,
     ValidationError,
     model_validator,
 )
+from pydantic import Strict as StrictType
 
 from core.config import (
+    MAX_BATCH,
     DatasetConfig,
     MethodConfig,
     ModelConfig,
@@ -59,8 +60,8 @@ SEARCHABLE: dict[str, type[BaseModel]] = {
 }
 
 
-BatchSize = Annotated[int, Field(ge=1, le=1_000_000)]  # expected logical batch size B
-Epochs = Annotated[float, Field(gt=0, le=1000)]
+BatchSize = Annotated[int, StrictType(), Field(ge=1, le=MAX_BATCH)]  # expected logical batch B
+Epochs = Annotated[float, StrictType(), Field(gt=0, le=1000)]
 #: the searchable spec fields that change a trial's (q, T, σ): its shape (:mod:`core.shapes`)
 SHAPES: dict[str, TypeAdapter[Any]] = {
     "batch_size": TypeAdapter(BatchSize),
@@ -82,7 +83,9 @@ Scalar = Annotated[Any, AfterValidator(_scalar)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Forbids unknown fields, NaN, ±inf and coercion: no string or bool is read as a number."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Grid(Strict):
@@ -100,7 +103,14 @@ class Choice(Strict):
 class LogUniform(Strict):
     """Each trial draws exp(U(ln low, ln high))."""
 
-    log_uniform: tuple[PositiveFloat, PositiveFloat]
+    #: a JSON list is read as the tuple; its items are strict
+    log_uniform: Annotated[
+        tuple[
+            Annotated[float, StrictType(), Field(gt=0)],
+            Annotated[float, StrictType(), Field(gt=0)],
+        ],
+        Field(strict=False),
+    ]
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -305,6 +315,9 @@ class JobSpec(Strict):
                 if value != getattr(shape, path):
                     raise ValueError(f"{path}: {value} is not the shape's {getattr(shape, path)}")
                 continue
+            dim = self.search_space[path]
+            if isinstance(dim, LogUniform):  # exp(U(ln low, ln high)) may round past an end
+                value = min(max(value, dim.log_uniform[0]), dim.log_uniform[1])
             part, name = path.split(".")
             parts[part][name] = value
         return TrialConfig(

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session
 
 from core import accounting
@@ -130,6 +130,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
     spec, release_default = recipes.fill_release_noise(spec, [(s[0], s[-1]) for s in sized])
     defaults |= release_default
+    _check_defaults(spec, defaults)
     shapes = [_shape(spec, size, delta, noise) for size in sized]
     trial = trial_curve(shapes, noise, _any_one(spec, method))
     one = shapes[0] if len(shapes) == 1 else None
@@ -152,6 +153,19 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     )
     reservation = method.charge(trial, delta, dataset.epsilon)
     return PlannedJob(plan=plan, reservation=reservation, spec=spec)
+
+
+def _check_defaults(spec: JobSpec, defaults: dict[str, str]) -> None:
+    """Validate ``spec`` with the planner's defaults filled in again: a default derived from the
+    analyst's numbers (SGD's rate 0.5/C) must lie in its field's range too (docs/design.md,
+    invariant 12), or every trial would refuse its configuration."""
+    try:
+        JobSpec.model_validate(spec.model_dump())
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        why = f" (the planner's default {defaults[field]})" if field in defaults else ""
+        raise PlanError(field, f"{first['msg']}{why}; give it in the spec") from None
 
 
 def _proxy(spec: JobSpec, dataset: Dataset, session: Session) -> tuple[Dataset, ...]:

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from core.config import NOISE
+
 
 def _changed(api, ds: int) -> tuple:
     jobs = api.client.get("/v1/jobs", headers=api.operator).json()
@@ -160,3 +162,108 @@ def test_bad_idempotency_key(api, dataset, ana, spec):
         "/v1/jobs", headers=ana | {"Idempotency-Key": "k" * 201}, json=spec(dataset["id"])
     )
     assert r.status_code == 422 and _field(r) == "idempotency-key"
+
+
+#: (path, value, field): numbers of the wrong type or outside their range (docs/design.md,
+#: invariant 12; issue 39, findings 1 and 12). Each is refused with a 422 naming the field.
+INSANE = [
+    # strings and bools are never read as numbers
+    *[
+        (path, value, path.replace("/", "."))
+        for path in (
+            "batch_size",
+            "epochs",
+            "physical_batch_size",
+            "seed",
+            "method/threshold",
+            "method/gamma",
+            "optimizer/lr",
+            "optimizer/eps",
+            "optimizer/momentum",
+            "optimizer/weight_decay",
+            "validation/noise",
+            "privacy/epsilon",
+            "privacy/trials",
+        )
+        for value in ("64", "1", "1e-3", True, False)
+    ],
+    ("optimizer/betas", [True, 0.9], "optimizer.betas"),
+    ("optimizer/betas", ["0.9", 0.99], "optimizer.betas"),
+    ("dataset", "1", "dataset"),
+    ("resources", {"cpu": True}, "resources.cpu"),
+    # a searched value of the wrong type (the first a 500 before: planned with the string)
+    ("search_space", {"batch_size": {"grid": ["64", 32]}}, "search_space.batch_size"),
+    ("search_space", {"batch_size": {"grid": [True, 32]}}, "search_space.batch_size"),
+    ("search_space", {"epochs": {"grid": ["1", 2]}}, "search_space.epochs"),
+    ("search_space", {"optimizer.lr": {"grid": ["0.1"]}}, "search_space.optimizer.lr"),
+    ("search_space", {"method.threshold": {"grid": [True]}}, "search_space.method.threshold"),
+    ("search_space", {"optimizer.lr": {"log_uniform": ["0.1", 1]}}, "search_space.optimizer"),
+    # out of range: the planted-record attack's threshold, and what float32 cannot hold
+    ("method/threshold", 64 * 1.15e-45, "method.threshold"),
+    ("method/threshold", 1e-5, "method.threshold"),
+    ("method/threshold", 1e5, "method.threshold"),
+    ("method/gamma", 1e-45, "method.gamma"),
+    ("method/gamma", 1e39, "method.gamma"),
+    ("optimizer/lr", 1e39, "optimizer.lr"),
+    ("optimizer/lr", 1e-45, "optimizer.lr"),
+    ("optimizer/eps", 1e-45, "optimizer.eps"),
+    ("optimizer/eps", 2.0, "optimizer.eps"),
+    ("optimizer/gamma_prime", 1e-45, "optimizer.gamma_prime"),
+    ("optimizer/momentum", 1.0, "optimizer.momentum"),
+    ("optimizer/weight_decay", 1e39, "optimizer.weight_decay"),
+    ("optimizer/betas", [1.0, 0.9], "optimizer.betas"),
+    ("optimizer/betas", [0.9, -0.5], "optimizer.betas"),
+    ("optimizer/betas", [0.9, 1e39], "optimizer.betas"),
+    ("validation/noise", 1e300, "validation.noise"),
+    ("validation/noise", 1e-45, "validation.noise"),
+    ("search_space", {"optimizer.lr": {"grid": [0.1, 1e39]}}, "search_space.optimizer.lr"),
+    ("search_space", {"method.threshold": {"log_uniform": [1e-45, 1]}}, "search_space.method"),
+    *[
+        ("method/adaptive", {"rule": rule, field: value}, f"method.adaptive.{field}")
+        for rule, field, value in [
+            ("dcsgd_p", "histogram_noise", 1e300),
+            ("dcsgd_p", "histogram_noise", "5"),
+            ("dcsgd_e", "initial_range", 1e-45),
+            ("dcsgd_e", "bins", 10**9),
+            ("dcsgd_e", "bins", True),
+            ("andrew", "count_noise", 1e-9),
+            ("andrew", "learning_rate", 1e3),
+        ]
+    ],
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/plans", "/v1/jobs"])
+def test_insane_numbers_are_refused_naming_the_field(api, dataset, ana, spec, endpoint):
+    """Every variant in one test (each is a request refused before planning): a 422 whose
+    detail names the field, and nothing reserved or recorded."""
+    before = _changed(api, dataset["id"])
+    for path, value, field in INSANE:
+        body = _set(spec(dataset["id"]), path, value)
+        r = api.client.post(endpoint, headers=ana, json=body)
+        assert r.status_code == 422, (path, value, r.text)
+        assert _field(r).startswith(field), (path, value, r.text)
+    assert _changed(api, dataset["id"]) == before
+
+
+def test_a_planner_default_out_of_range_is_refused_naming_the_field(api, dataset, ana, spec):
+    """SGD's default rate 0.5/C is 5000 at C = 1e-4, beyond ``optimizer.lr``'s range: refused
+    at planning, rather than admitted for every trial to refuse."""
+    body = spec(dataset["id"]) | {"search_space": {}, "optimizer": {"name": "sgd"}}
+    body["method"]["threshold"] = 1e-4
+    r = api.client.post("/v1/plans", headers=ana, json=body)
+    assert r.status_code == 422 and _field(r) == "optimizer.lr", r.text
+    body["optimizer"]["lr"] = 100.0
+    assert api.client.post("/v1/plans", headers=ana, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("search", [{}, {"batch_size": {"grid": [16, 512]}}])
+def test_the_loosest_target_plans_noise_the_engine_admits(api, dataset, ana, spec, search):
+    """ε = 100, the largest the spec admits, with a large batch: every planned σ is at least
+    the engine's floor (``core.config.NOISE``), so no trial refuses its configuration."""
+    body = spec(dataset["id"], epsilon=100.0) | {"search_space": search, "epochs": 0.05}
+    body["batch_size"] = 1024
+    r = api.client.post("/v1/plans", headers=ana, json=body)
+    assert r.status_code == 200, r.text
+    sigmas = [s["noise_multiplier"] for s in r.json()["shapes"]]
+    assert min(sigmas) >= NOISE[0] and r.json()["epsilon"] <= 100.0

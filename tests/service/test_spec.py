@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -89,3 +90,47 @@ def test_too_many_shapes_are_refused(spec):
     grid = {"batch_size": {"grid": list(range(8, 13))}, "epochs": {"grid": [1, 2, 3, 4]}}
     with pytest.raises(ValidationError, match=r"search_space\.batch_size: 20 combinations"):
         JobSpec.model_validate(spec(1) | {"search_space": grid})
+
+
+def test_a_log_uniform_draw_that_rounds_past_its_end_runs_at_the_end(spec):
+    """exp(U(ln low, ln high)) can round just past an end (exp(ln 100) = 100.00000000000004,
+    beyond ``optimizer.lr``'s range): the trial runs the end itself rather than refusing its
+    configuration (docs/design.md, invariant 12)."""
+    job = JobSpec.model_validate(
+        spec(1, trials=2) | {"search_space": {"optimizer.lr": {"log_uniform": [1e-3, 100.0]}}}
+    )
+    dataset = DatasetConfig(source="builtin:digits")
+    for drawn, runs in [(math.exp(math.log(100.0)), 100.0), (0.5, 0.5), (1e-3 * 0.999, 1e-3)]:
+        assert (
+            job.trial_config(dataset, _shape(), 1e-5, {"optimizer.lr": drawn}).optimizer.lr == runs
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"batch_size": "64"}, "batch_size"),
+        ({"batch_size": True}, "batch_size"),
+        ({"batch_size": 64.0}, "batch_size"),
+        ({"epochs": "1"}, "epochs"),
+        ({"optimizer": {"lr": "0.1"}}, "optimizer"),
+        ({"method": {"threshold": True}}, "method"),
+        ({"search_space": {"batch_size": {"grid": ["64"]}}}, "search_space"),
+    ],
+)
+def test_no_string_or_bool_is_read_as_a_number(spec, change, field):
+    with pytest.raises(ValidationError) as error:
+        JobSpec.model_validate(spec(1) | change)
+    first = error.value.errors()[0]
+    assert (first["loc"] or (first["msg"].removeprefix("Value error, "),))[0].startswith(field)
+
+
+def test_json_lists_are_read_as_tuples(spec):
+    body = spec(1, trials=2) | {
+        "optimizer": {"name": "adam", "betas": [0.5, 0.9]},
+        "search_space": {"optimizer.lr": {"log_uniform": [1e-3, 1]}},
+    }
+    job = JobSpec.model_validate(body)
+    assert job.optimizer.betas == (0.5, 0.9)
+    assert job.search_space["optimizer.lr"].log_uniform == (1e-3, 1.0)
+    assert JobSpec.model_validate(job.model_dump(mode="json")) == job

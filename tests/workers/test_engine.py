@@ -266,10 +266,10 @@ def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(
     assert late or not made_here
 
 
-def test_a_threshold_changed_after_the_draw_began_rescales_the_draw(make_step):
-    """The next step's noise is drawn ahead at the threshold the rule set at the end of this
-    step; a threshold changed afterwards (from outside the rule) still gets noise of std
-    σ_T·C/B at the new C: the drawn-ahead gradient equals the one drawn in line."""
+def test_a_threshold_changed_after_the_draw_began_scales_the_drawn_noise(make_step):
+    """The next step's noise σ_T·z is drawn ahead whatever the threshold (it is in units of
+    the clip bound); a threshold changed afterwards (from outside the rule) still gets noise
+    of std σ_T·C/B at the new C: the drawn-ahead gradient equals the one drawn in line."""
     grads = []
     for ahead in (False, True):
         step = make_step(

@@ -9,6 +9,12 @@ statistic each step; its noise multiplier ``release_noise`` is split from the to
 DP-SGD with σ. Everything after the noisy release is post-processing. Under group-wise
 clipping a rule sees each example's whole-gradient norm and sets the total threshold C_t; each
 of the M groups is then clipped at C_t/√M.
+
+Every C_t a rule sets is clamped into ``core.config.THRESHOLD`` (and a histogram's range into
+``RANGE``), post-processing too: left alone, DC-SGD-P's noisy percentile can shrink C by up
+to b× a step, step after step, at a small B, and Andrew et al.'s and Du et al.'s geometric
+updates have no floor, while the engine needs C_t/B where float32 holds the noisy sum's scale
+(docs/design.md, invariant 12).
 """
 
 from __future__ import annotations
@@ -18,12 +24,20 @@ import math
 import torch
 from torch import Tensor
 
-from core.config import MethodConfig
+from core.config import THRESHOLD, MethodConfig
 from workers.dp.randomness import SecureStream
 
 #: Safeguard on Algorithm 4's "repeat while the minimiser is a boundary candidate" loop (the
 #: paper states no bound); see :func:`error_threshold` for the other stopping rule.
 MAX_SEARCH_ROUNDS = 64
+#: a histogram's range R: DC-SGD-P's is 2·C_t
+RANGE = (THRESHOLD[0], 2 * THRESHOLD[1])
+
+
+def clamp(value: float, bounds: tuple[float, float]) -> float:
+    """``value`` in [low, high] (NaN: low)."""
+    low, high = bounds
+    return low if not value >= low else min(value, high)
 
 
 class ThresholdRule:
@@ -121,7 +135,7 @@ class PercentileRule(ThresholdRule):
 
     def update(self, norms: Tensor, step: int) -> None:
         hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.stream)
-        self.threshold = percentile_threshold(hist, self.range, self.percentile)
+        self.threshold = clamp(percentile_threshold(hist, self.range, self.percentile), THRESHOLD)
         self.range = 2 * self.threshold
 
 
@@ -147,8 +161,9 @@ class ErrorRule(ThresholdRule):
         hist = noisy_histogram(norms, self.range, self.bins, self.release_noise, self.stream)
         if hist.sum() <= 0:  # the noisy count carries no usable information; keep C and R
             return
-        self.threshold = error_threshold(hist, self.range, self.threshold, self.variance_coef)
-        self.range = cautious_range(hist, self.range)
+        found = error_threshold(hist, self.range, self.threshold, self.variance_coef)
+        self.threshold = clamp(found, THRESHOLD)
+        self.range = clamp(cautious_range(hist, self.range), RANGE)
 
 
 class QuantileRule(ThresholdRule):
@@ -179,7 +194,10 @@ class QuantileRule(ThresholdRule):
         centred = float((norms <= self.threshold).sum()) - 0.5 * norms.numel()
         noisy = centred + self.count_noise * float(self.stream.normal(1, dtype=torch.float64))
         unclipped = noisy / self.expected_batch_size + 0.5
-        self.threshold *= math.exp(-self.learning_rate * (unclipped - self.target))
+        # an exponent beyond ±ln(high/low) lands on a bound anyway; limited, exp cannot overflow
+        span = math.log(THRESHOLD[1] / THRESHOLD[0])
+        exponent = clamp(-self.learning_rate * (unclipped - self.target), (-span, span))
+        self.threshold = clamp(self.threshold * math.exp(exponent), THRESHOLD)
 
 
 class DecayRule(ThresholdRule):
@@ -190,7 +208,9 @@ class DecayRule(ThresholdRule):
         self.initial, self.decay, self.total_steps = threshold, decay, total_steps
 
     def update(self, norms: Tensor, step: int) -> None:
-        self.threshold = self.initial * self.decay ** ((step + 1) / self.total_steps)
+        self.threshold = clamp(
+            self.initial * self.decay ** ((step + 1) / self.total_steps), THRESHOLD
+        )
 
 
 def build_rule(

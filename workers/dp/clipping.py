@@ -114,7 +114,8 @@ def coefficient_fn(
     scale: float = 1.0,
 ) -> CoefFn:
     """The per-sample, per-group clip factor C(g; R_m) as a function of norms [B, k], elementwise,
-    times ``scale`` (the engine's 1/B, so that its clipped sums come divided).
+    times ``scale`` (the engine's 1/R: its contributions have norm ≤ 1, in units of the clip
+    bound, docs/design.md invariant 12). Formed in float64 on float64 norms.
 
     ``abadi``: min(1, R_m/‖g‖) (Abadi et al. 2016). ``auto_s``: R_m/(‖g‖ + γ) and ``auto_v``:
     R_m/‖g‖ (paper 003, automatic clipping); each keeps ‖C·g‖ ≤ R_m, so the sensitivity bound is

@@ -1,35 +1,37 @@
-"""One private optimisation step: clip, accumulate, add noise once, divide by B, step.
+"""One private optimisation step: clip, accumulate, add noise once, scale by C_t/B, step.
 
 For a logical batch 𝓑_t (Poisson, expected size B) split into physical micro-batches, the
 private gradient of every parameter is
 
-    g̃ = (1/B) · ( Σ_{i∈𝓑_t} C(g_i^(m); C_t/√M)·g_i^(m) + N(0, σ_T²C_t²·I) )
+    g̃ = (C_t/B) · ( Σ_{i∈𝓑_t} c̃_i^(m)·g_i^(m) + σ_T·z ),   z ~ N(0, I),
 
-(paper 001 eq. 2 / Algorithm 1, paper 002 eq. 4): the clipped sum has sensitivity C_t (≤ C_t
-for add/remove, ≤ 2C_t for replace-one), the noise is drawn once per logical step whatever the
-number of micro-batches, and the divisor is the expected B, never |𝓑_t| (docs/design.md,
-invariant 1). The gradient buffer gets (σ_T·C_t/B)·z, scaled as it is drawn, plus each clipped sum
-with its factors divided by B: every term is divided by B before it is added, and no pass over
-the buffer is spent on the scaling or the division (they took 0.04–0.05× of the non-private
-step's time for mlp and logreg at B = 64).
+with c̃ = C(g; C_t/√M)/C_t, the clip factor in units of the clip bound (paper 001 eq. 2 /
+Algorithm 1, paper 002 eq. 4, with C_t taken out of the sum and its noise): every contribution
+c̃ᵢgᵢ has norm ≤ 1, so the sum has sensitivity 1 (≤ 2 for replace-one) and noise of std σ_T
+whatever the threshold. The noise is drawn once per logical step whatever the number of
+micro-batches, and the divisor is the expected B, never |𝓑_t| (docs/design.md, invariant 1).
+
+The scale comes last (docs/design.md, invariant 12): noise and contributions are added while
+both are of order 1, normal float32 numbers for every admitted σ_T (``core.config.NOISE``),
+and one pass over the buffer multiplies their sum by C_t/B after the last micro-batch. Scaled
+first, a tiny C_t/B rounds the noise to 0 while a record's contribution still rounds to a
+subnormal; scaled last, whatever rounding does is post-processing of the noisy sum. The
+gradient buffer gets σ_T·z, drawn into it, then each clipped sum as soon as it is formed (no
+temporary of the model's size), then the scale.
 
 On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``) on a core that torch's
 threads leave free: a model-sized draw from the AES-CTR stream costs as much as a whole
-non-private step of a small model (issue 15). It is drawn into the gradient buffer itself, from
-the end of step t (once the optimizer has read g̃_t) until step t + 1 first adds a clipped sum:
-it overlaps whatever the trial does between steps and step t + 1's forward pass, backward pass
-and norms, and the clipper's first sum waits for it (:class:`_AfterDraw`), making the draw's
-chunks that nobody has begun meanwhile (``workers.dp.randomness.Drawing``: the same bits, each
-chunk from its own place in the keystream). The draw is made in the trial's noise process
-(``workers.noise_process``), into the buffer, which is memory the two processes share: on a
-thread it took turns with the step on Python's GIL (the mlp's step at B = 64: 0.82–0.87× the
-time with the process). Nothing the
-guarantee rests on changes: z_{t+1} is the stream's next draw, used by step t + 1 alone, and
-scaled by σ_T·C_{t+1}/B as in line (the threshold rule updates before the draw starts; a
-threshold changed after it rescales the draw); a draw left over when training stops is never
-used. No
-second buffer: until this release the draw went into a second model-sized buffer during the
-whole of step t, and peak memory paid for it (logreg: 1.48× the non-private step's at B = 64).
+non-private step of a small model (issue 15). It is drawn into the gradient buffer itself (no
+second model-sized buffer), from the end of step t (once the optimizer has read g̃_t) until
+step t + 1 first adds a clipped sum: it overlaps whatever the trial does between steps and
+step t + 1's forward pass, backward pass and norms, and the clipper's first sum waits for it
+(:class:`_AfterDraw`), making the draw's chunks that nobody has begun meanwhile
+(``workers.dp.randomness.Drawing``: the same bits, each chunk from its own place in the
+keystream). The draw is made in the trial's noise process (``workers.noise_process``), into
+the buffer, which is memory the two processes share, so that it does not take turns with the
+step on Python's GIL. Nothing the guarantee rests on changes: z_{t+1} is the stream's next
+draw, used by step t + 1 alone, of std σ_T as in line whatever C_{t+1} is (the threshold
+scales only the finished sum); a draw left over when training stops is never used.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Clipper(Protocol):
 
 class _AfterDraw(Mapping[str, Tensor]):
     """The views of the gradient buffer as the clipper's ``out``: the first one asked for waits
-    until ``ready`` has put the step's scaled noise in the buffer (the draw made beside the
+    until ``ready`` has put the step's noise in the buffer (the draw made beside the
     step, see the module), so no sum is added before it."""
 
     def __init__(self, views: dict[str, Tensor], ready: Callable[[], None]) -> None:
@@ -127,7 +129,7 @@ class PrivateStep:
         #: drawing ahead into ``flat`` (see the module; CUDA draws on the device anyway)
         self.draw_ahead = draw_ahead and device.type == "cpu"
         # One flat buffer holds every g̃ (parameters' ``.grad`` are views of it), allocated once
-        # per trial: noise drawn into it, clipped sums added, one division for all. Its dtype
+        # per trial: noise drawn into it, clipped sums added, one scaling for all. Its dtype
         # is the widest parameter dtype; a parameter of another dtype gets a converted copy.
         size = sum(p.numel() for p in self.params.values())
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params.values()))
@@ -149,23 +151,22 @@ class PrivateStep:
         }
 
     def noise_std(self, threshold: float) -> float:
-        """Per-coordinate std of the noise in the averaged gradient, σ_T·C_t/B."""
+        """Per-coordinate std of the noise in g̃, σ_T·C_t/B (DP-AdamBC's bias correction)."""
         return self.grad_noise * threshold / self.expected_batch_size
 
     def private_gradient(self, batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
         """Set ``p.grad`` to g̃ for one logical batch; return the per-example gradient norms
         ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
         threshold = self.rule.threshold
-        # (σ_T·C_t/B)·z is drawn straight into the buffer (ahead, or when the first sum is
-        # due), and the clipper adds each clipped sum, its factors divided by B, into it as
-        # soon as it is formed: g̃ with no temporary of the model's size and no pass of its own
-        # over the buffer for the scaling or the division.
+        # σ_T·z is drawn straight into the buffer (ahead, or when the first sum is due), the
+        # clipper adds each clipped sum, its factors divided by C_t, into it as soon as it is
+        # formed, and the total is scaled by C_t/B once (see the module).
         coef_fn = coefficient_fn(
-            self.clipping, threshold, len(self.groups), self.gamma, 1 / self.expected_batch_size
+            self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
         )
         if self.draw_ahead and self.ahead is None:
             self._draw_ahead()
-        out = _AfterDraw(self.views, functools.partial(self._noise, self.noise_std(threshold)))
+        out = _AfterDraw(self.views, self._noise)
         norms: list[Tensor] = []
         for inputs, targets in batches:
             if len(inputs) == 0:
@@ -175,25 +176,23 @@ class PrivateStep:
             )
             norms.append(torch.linalg.vector_norm(group_norms.detach(), dim=1).cpu())
         out.settle()
+        self.flat.mul_(threshold / self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
         return torch.cat(norms) if len(norms) > 1 else (norms[0] if norms else torch.zeros(0))
 
     def _draw_ahead(self) -> None:
-        """Start drawing the next step's noise, at this threshold's standard deviation."""
-        self.ahead = self.noise.normal_ahead(self.flat, self.noise_std(self.rule.threshold))
+        """Start drawing the next step's noise σ_T·z."""
+        self.ahead = self.noise.normal_ahead(self.flat, self.grad_noise)
 
-    def _noise(self, std: float) -> None:
-        """Put this step's noise of standard deviation ``std`` (σ_T·C_t/B) in ``flat``: the
-        draw made ahead (a failed one raises here; one made at another threshold is
-        rescaled), or one made now."""
+    def _noise(self) -> None:
+        """Put this step's noise σ_T·z in ``flat``: the draw made ahead (a failed one raises
+        here), or one made now."""
         if self.ahead is None:
-            self.noise.normal(self.flat.numel(), out=self.flat, scale=std)
+            self.noise.normal(self.flat.numel(), out=self.flat, scale=self.grad_noise)
             return
         ahead, self.ahead = self.ahead, None
         ahead.result()
-        if ahead.scale != std:
-            self.flat.mul_(std / ahead.scale)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
         """Private gradient, optimizer step, then the threshold rule's update for step t+1;
