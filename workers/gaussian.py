@@ -28,6 +28,12 @@ CHUNK = 1 << 16
 PIECE = 1 << 14
 #: a chunk: its start and stop in the output, and the keystream byte its words start at
 Chunk = tuple[int, int, int]
+#: a radius's uniform v = m·2⁻⁵³ from a 64-bit word w: m = (w >> RADIUS_SHIFT) + RADIUS_OFFSET,
+#: uniform on 1, …, 2⁵³ (:func:`radii`; ``workers.dp.normal`` forms the same in torch)
+RADIUS_SHIFT, RADIUS_OFFSET, RADIUS_UNIT = 11, 2**52 + 1, 2.0**-53
+#: the bits of an angle's k by the width of its words in bytes (:func:`angles`): a float32
+#: significand from 32-bit words, a float64 one from 64-bit words
+ANGLE_BITS = {4: 24, 8: 53}
 
 
 def keystream_bytes(size: int, itemsize: int) -> int:
@@ -114,10 +120,10 @@ def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
     by at most 2⁻²⁴ relative, moving r by about 10⁻⁷ relative; the smallest v, 2⁻⁵³, is exact;
     the scaling by a power of two is exact), and its logarithm taken in that dtype, half
     float64's cost in float32."""
-    m = np.right_shift(words, 11, out=words)
-    m += 2**52 + 1
+    m = np.right_shift(words, RADIUS_SHIFT, out=words)
+    m += RADIUS_OFFSET
     np.copyto(out, m, casting="unsafe")
-    out *= 2.0**-53
+    out *= RADIUS_UNIT
     np.log(out, out=out)
     out *= -2.0
     return np.sqrt(out, out=out)
@@ -128,7 +134,7 @@ def angles(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
     ``out`` (float32 or float64, the words' width), k their top b bits as a signed integer,
     uniform on −2ᵇ⁻¹, …, 2ᵇ⁻¹ − 1: in float32 with b = 24 from 32-bit words (a float32
     significand, so k is exact in float32), in float64 with b = 53 from 64-bit ones."""
-    bits = 24 if words.itemsize == 4 else 53
+    bits = ANGLE_BITS[words.itemsize]
     k = np.right_shift(words, 8 * words.itemsize - bits, out=words)
     np.copyto(out, k, casting="unsafe")
     out *= 2 * math.pi * 2.0**-bits

@@ -32,6 +32,10 @@ print(sys.version.split()[0], "torch", torch.__version__, "cudnn", torch.backend
       torch.cuda.get_device_name(0), "ray", ray.__version__, "opacus", opacus.__version__)
 x = SecureStream().normal(10_000_000, device="cuda")
 print(f"secure noise on the GPU: mean {x.mean().item():.4f}, std {x.std().item():.4f}")
+from workers.dp.normal import radii  # invariant 15: the tails of 53-bit uniforms on the GPU
+top = radii(torch.tensor([-2**63], device="cuda"), out=torch.empty(1, device="cuda")).item()
+far = sum((SecureStream().normal(10**8, device="cuda").abs() > 5).sum().item() for _ in range(4))
+print(f"largest radius {top:.4f} (8.5717); |z| > 5 in 4e8 draws: {far} (229 ± 15 expected)")
 PY
 for what in "$@"; do
   case $what in

@@ -3,7 +3,8 @@
 The attacks these stop: with a trial seed fed to torch's CPU generator (which keeps only its
 low 32 bits), seeds that agree in their low 32 bits gave identical noise, and one released
 noisy score let an attacker search every seed and subtract the noise. A fixed-size hold-out
-and float32 Poisson sampling broke the coupling the accountant assumes.
+and float32 Poisson sampling broke the coupling the accountant assumes. The model's
+initialisation was seeded the same way, so 32 bits determined the initial weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from scipy import stats
 
 from core.config import TrialConfig
 from core.entropy import Keystream, Reader, buffer
-from workers import gaussian
+from workers import gaussian, trial
 from workers.data import Dataset, hold_out
 from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
 from workers.dp.sampling import poisson_batches
@@ -354,3 +355,77 @@ def test_noise_is_drawn_ahead_only_with_a_core_to_spare() -> None:
             assert spare_core()
     finally:
         torch.set_num_threads(threads)
+
+
+def _mt19937(state: torch.Tensor) -> tuple[int, int, np.ndarray]:
+    """``left``, ``next`` and the 624 state words of torch's CPU generator state, read from its
+    layout (``CPUGeneratorImplState`` in ATen: int32 ``left`` at byte 8, uint64 ``next`` at 16,
+    the words in uint64 slots from byte 24)."""
+    raw = state.numpy()
+    left, following = raw[8:12].view("<i4")[0], raw[16:24].view("<u8")[0]
+    return int(left), int(following), raw[24 : 24 + 8 * 624].view("<u8")
+
+
+def _seeding_recurrence_holds(words: np.ndarray) -> np.ndarray:
+    """Where mt19937's seeding recurrence (``init_genrand``, which ``torch.manual_seed`` runs on
+    a seed's low 32 bits) holds between consecutive words: everywhere in a state that a 32-bit
+    seed fixed, at random places (2⁻³² each) in a state of independent words."""
+    previous, index = words[:-1] & 0xFFFFFFFF, np.arange(1, len(words), dtype=np.uint64)
+    expected = (
+        np.uint64(1812433253) * (previous ^ (previous >> np.uint64(30))) + index
+    ) & 0xFFFFFFFF
+    return expected == words[1:]
+
+
+class _Built(Exception):
+    """Raised where a trial builds its model: the test has what it came for."""
+
+
+def test_a_trials_initialisation_is_not_determined_by_32_bits(monkeypatch) -> None:
+    """The attack: ``torch.manual_seed`` of the trial's 63-bit seed kept its low 32 bits, so the
+    CPU generator that initialises the model was one of 2³² states (each word fixed by the one
+    before it), and the initial weights could be searched. Where the trial builds its model,
+    the generator's 624 words now come from the secure stream."""
+    states = []
+
+    def build(*args: object, **kwargs: object) -> None:
+        states.append(torch.get_rng_state())
+        raise _Built
+
+    monkeypatch.setattr(trial, "build_model", build)
+    for _ in range(2):
+        with pytest.raises(_Built):
+            run_trial(TrialConfig.model_validate(TINY))
+    (_, _, first), (_, _, second) = (_mt19937(state) for state in states)
+    for words in (first, second):
+        assert _seeding_recurrence_holds(words).sum() <= 2
+    assert (first[1:] != second[1:]).mean() > 0.99
+
+
+def test_seeding_torch_writes_the_init_streams_words_into_the_whole_state() -> None:
+    """All 19,937 bits of mt19937's state are the init stream's words (the first word's top
+    bit set, as ``init_by_array`` does: the recurrence reads no other bit of it, and the state
+    cannot be all zeros); ``left`` = 1 and ``next`` = 0 make a valid generator that regenerates
+    the whole state before its first output."""
+    key = bytes(range(40, 56))
+    randomness = TrialRandomness()
+    randomness.init.keystream = Keystream(key)
+    randomness.seed_torch(torch.device("cpu"))
+    left, following, words = _mt19937(torch.get_rng_state())
+    drawn = np.frombuffer(_aes_blocks(key, 4 * 624), dtype="<u4").astype(np.uint64)
+    assert (left, following) == (1, 0)
+    assert np.array_equal(words[1:], drawn[1:])
+    assert words[0] == drawn[0] | 0x8000_0000
+
+
+def test_after_seeding_torch_draws_uniforms_and_each_seeding_a_new_model() -> None:
+    models, draws = [], []
+    for _ in range(2):
+        _reset_global_rngs()
+        TrialRandomness().seed_torch(torch.device("cpu"))
+        models.append(torch.nn.Linear(20, 5).weight.detach().clone())
+        draws.append(torch.rand(100_000, dtype=torch.float64))
+        assert stats.kstest(draws[-1].numpy(), "uniform").pvalue > 1e-4
+        assert abs(torch.randn(100_000).std().item() - 1) < 0.02
+    assert not torch.equal(*models)
+    assert not torch.equal(*draws)

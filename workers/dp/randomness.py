@@ -28,9 +28,12 @@ about 10⁻¹⁷ per draw. The angle takes as many bits as the output's signific
 float32 noise: 12 bytes of keystream a pair, where two 53-bit uniforms took 16.
 
 On CUDA, copying host-generated noise for a large model every step would dominate the step, so
-Gaussian draws are made on the device by torch's Philox generator, re-keyed for every draw from
-the AES stream with a 63-bit key and a 61-bit counter offset (124 bits per draw that an
-attacker would have to search, each draw independent of the others).
+Gaussian draws are made on the device (:mod:`workers.dp.normal`): the same Box–Muller transform
+of 64-bit words, the words drawn by torch's Philox generator, re-keyed for every draw from the
+AES stream with a 64-bit key and a 61-bit counter offset (125 bits per draw that an attacker
+would have to search, each draw independent of the others). Not torch's ``normal_``: curand's
+Box–Muller takes 32-bit uniforms and truncates the tails (invariant 15). Other accelerators
+draw on the host and copy.
 
 On CPU the engine may draw a step's noise ahead (:meth:`SecureStream.normal_ahead`, on a core
 that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.PrivateStep``. It
@@ -50,12 +53,22 @@ import torch
 from torch import Tensor
 
 from core.entropy import Keystream, secure_generator
+from workers.dp.normal import ANGLE_BYTES, normal_
 from workers.gaussian import BoxMuller
 from workers.noise_process import current as current_noise_process
 from workers.noise_process import noise_process
 
-#: the bytes of keystream an angle takes, by the noise's dtype (``workers.gaussian.angles``)
-ANGLE_BYTES = {torch.float32: 4, torch.float64: 8}
+#: torch's CPU generator state (``CPUGeneratorImplState`` in ATen's ``CPUGeneratorImpl.cpp``,
+#: 5,056 bytes): its mt19937's seed, ``left``, ``seeded``, ``next`` and the 624 32-bit words of
+#: its state, each in a 64-bit slot; the rest (cached normal samples, flagged invalid) zeros
+_CPU_STATE = np.dtype(
+    {
+        "names": ["seed", "left", "seeded", "next", "state"],
+        "formats": ["<u8", "<i4", "<i4", "<u8", ("<u8", 624)],
+        "offsets": [0, 8, 12, 16, 24],
+        "itemsize": 5056,
+    }
+)
 #: the process that owns it, and the thread that draws noise ahead in that process
 _noise_thread: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -96,7 +109,7 @@ class SecureStream:
         elif out.shape != size or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor of shape {size}")
         if out.device.type == "cuda":
-            return out.normal_(0.0, scale, generator=self._device_generator(out.device))
+            return normal_(out, self._device_generator(out.device), scale)
         if out.device.type == "cpu":
             self._box_muller(out.view(-1), scale)
         else:
@@ -123,35 +136,39 @@ class SecureStream:
         plain = type(self).normal is SecureStream.normal and out.is_contiguous()
         if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
             drawn = _drawing_thread().submit(self.normal, out.shape, out=out, scale=scale)
-            return Drawing(out, scale, _OnThread(None, drawn))
+            return Drawing(out, _OnThread(None, drawn))
         flat, process = out.detach().view(-1).numpy(), current_noise_process()
         shared = process is not None and process.shares(flat) and process.ready()
         if shared and type(self.keystream) is Keystream:
-            return Drawing(out, scale, process.draw(self.keystream, flat, scale))
+            return Drawing(out, process.draw(self.keystream, flat, scale))
         draw = BoxMuller(self.keystream, flat, scale)
-        return Drawing(out, scale, _OnThread(draw, _drawing_thread().submit(draw.run)))
+        return Drawing(out, _OnThread(draw, _drawing_thread().submit(draw.run)))
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
         return int(self.numpy.integers(high))
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
-        """A Philox generator on ``device`` keyed (seed and counter offset) from this stream."""
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.integers(2**63))
-        generator.set_offset(4 * self.integers(2**61))  # Philox offsets advance in fours
+        """A Philox generator on ``device`` keyed from this stream (:meth:`key_philox`)."""
+        return self.key_philox(torch.Generator(device=device))
+
+    def key_philox(self, generator: torch.Generator) -> torch.Generator:
+        """Key the CUDA ``generator`` from this stream: Philox's whole 64-bit seed and a
+        counter offset (offsets advance in fours)."""
+        generator.manual_seed(int(self.numpy.bit_generator.random_raw()))
+        generator.set_offset(4 * self.integers(2**61))
         return generator
 
 
 class Drawing:
-    """Normals of standard deviation ``scale`` being drawn into ``out`` beside the step
+    """Normals being drawn into ``out`` beside the step
     (:meth:`SecureStream.normal_ahead`). :meth:`result` waits for them, and meanwhile makes
     the draw's chunks not yet begun: whoever asks for noise that is not ready has nothing else
     to do, and on a spare core the two halve what is left (``workers.dp.engine``: logreg's step
     at B = 64 waited for its draw)."""
 
-    def __init__(self, out: Tensor, scale: float, pending: _Pending) -> None:
-        self.out, self.scale, self._pending = out, scale, pending
+    def __init__(self, out: Tensor, pending: _Pending) -> None:
+        self.out, self._pending = out, pending
 
     def done(self) -> bool:
         return self._pending.done()
@@ -224,8 +241,28 @@ class TrialRandomness:
         self.holdout = SecureStream()  # which examples form the private validation split
         self.init = SecureStream()  # model initialisation (not a DP guarantee, kept secret)
 
-    def init_seed(self) -> int:
-        """A 63-bit seed for torch's initialisers. Initial weights are not what DP protects
+    def seed_torch(self, device: torch.device) -> None:
+        """Key torch's generators for the model's initialisers from the ``init`` stream, with
+        full entropy: the CPU generator's whole mt19937 state, and on CUDA ``device``'s Philox
+        generator (:meth:`SecureStream.key_philox`). Initial weights are not what DP protects
         (the guarantee holds for any public initialisation), but an attacker who knew them
-        would need fewer assumptions, so they are not reproducible either."""
-        return self.init.integers(2**63)
+        would need fewer assumptions, so they are not reproducible either — and a seed would
+        be: ``torch.manual_seed`` keeps only a seed's low 32 bits on CPU."""
+        torch.set_rng_state(mt19937_state(self.init.keystream.next(4 * 624).view(np.uint32)))
+        if device.type == "cuda":
+            torch.cuda.init()  # its default generators exist once CUDA is initialised
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.init.key_philox(torch.cuda.default_generators[index])
+
+
+def mt19937_state(words: np.ndarray) -> Tensor:
+    """torch's CPU generator state (for ``torch.set_rng_state``) whose mt19937 state is the 624
+    32-bit ``words``, the first with its top bit set: mt19937's recurrence uses only that bit
+    of the first word, and setting it keeps the state from being all zeros, as Matsumoto and
+    Nishimura's ``init_by_array`` does. ``left`` = 1 regenerates the whole state before the
+    first output, so every output depends on all 19,937 bits."""
+    state = np.zeros(1, _CPU_STATE)
+    state["state"][0] = words
+    state["state"][0, 0] |= 0x8000_0000
+    state["left"], state["seeded"], state["next"] = 1, 1, 0
+    return torch.from_numpy(state.view(np.uint8))
