@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -60,10 +61,12 @@ class GradientCanaries:
 
     Each direction has norm 1/√M restricted to each of the M clipping groups, so the canary
     gradient C·u_i has norm C/√M = R_m in every group: exactly the per-group bound of group-wise
-    clipping (paper 002, eq. 4), the largest contribution one example may make. Random directions
-    in high dimension are nearly orthogonal: under all-layer clipping another canary's
-    contribution projects onto u_i with about C/√P, small next to the noise σC (more where a
-    clipping group is small, e.g. a bias under param-wise clipping: C/(M·√P_g) from group g).
+    clipping (paper 002, eq. 4), the largest contribution one example may make, R in all. Random
+    directions in high dimension are nearly orthogonal: under all-layer clipping another canary's
+    contribution projects onto u_i with about C/√P, small next to the noise σC. Not so in a small
+    group (a bias under param-wise clipping): there every other sampled canary projects onto u_i
+    with about C/(M·√P_g), and a few of them outweigh a tenfold reduced noise; the white-box
+    score therefore reads each group apart (:meth:`projections`, :meth:`null_variances`).
     """
 
     directions: Tensor  # [m, P], float32
@@ -104,10 +107,38 @@ class GradientCanaries:
         )
 
     def projections(self, flat: Tensor) -> Tensor:
-        """⟨flat, u_i⟩ for every canary, [m]."""
-        return self.directions @ flat
+        """⟨flat_g, u_{i,g}⟩ for every canary i and group g: [m, M], float64."""
+        out = torch.zeros(len(self.directions), self.num_groups, dtype=torch.float64)
+        for group, start, end in self._runs:
+            part = self.directions[:, start:end] @ flat[start:end].to(self.directions)
+            out[:, group] += part.double().cpu()
+        return out
 
-    def shift(self, factors: Tensor, threshold: float) -> float:
-        """⟨c·C·u_i, u_i⟩ = C·mean_g c_g: how far one clipped copy of canary i moves the
-        projection onto u_i (each group holds 1/M of ‖u_i‖² = 1)."""
-        return threshold * float(factors.mean())
+    def null_variances(self, flat: Tensor) -> Tensor:
+        """‖flat_g‖²/(M·P_g) [M], float64: the variance of ⟨flat_g, u_{i,g}⟩ over a direction
+        u_{i,g} of norm 1/√M drawn uniformly in the group's P_g dimensions, independently of
+        ``flat`` (E[⟨a, u⟩²] = ‖a‖²‖u‖²/P_g for an isotropic u)."""
+        sq = torch.zeros(self.num_groups, dtype=torch.float64, device=flat.device)
+        sq.index_add_(0, self.column_groups, flat.double().square())
+        return (sq / (self._sizes * self.num_groups)).cpu()
+
+    def shifts(self, factors: Tensor, threshold: float) -> Tensor:
+        """⟨c_g·C·u_{i,g}, u_{i,g}⟩ = C·c_g/M [M]: how far one clipped copy of canary i moves
+        its projection in each group (each group holds 1/M of ‖u_i‖² = 1)."""
+        return threshold * factors.double().cpu() / self.num_groups
+
+    @cached_property
+    def _sizes(self) -> Tensor:
+        """P_g: how many parameters each group holds, [M]."""
+        return torch.bincount(self.column_groups, minlength=self.num_groups)
+
+    @cached_property
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """(group, start, end) of every run of consecutive columns in one group: a parameter
+        tensor never straddles two, so there are at most as many runs as tensors."""
+        groups, counts = torch.unique_consecutive(self.column_groups, return_counts=True)
+        ends = counts.cumsum(0).tolist()
+        return [
+            (g, end - n, end)
+            for g, n, end in zip(groups.tolist(), counts.tolist(), ends, strict=True)
+        ]

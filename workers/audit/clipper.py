@@ -9,10 +9,13 @@ C·u_i, clipped by the engine's own clip function ``coef_fn``, to the clipped su
 per-group norms with the real examples' norms (adaptive threshold rules see canaries as the
 examples they stand for). Real rows go to the wrapped clipper unchanged.
 
-It also keeps the step's clipped sum of the *real* examples, for the white-box score
+It also keeps the step's clipped sum S_t of the *real* examples, for the white-box score
 (``workers.audit.scores``): an adversary who knows every other record and which of them were
 sampled — within DP's threat model, since their sampling is independent of the canaries — can
-subtract their contribution from the released noisy gradient.
+subtract their contribution from the released noisy gradient g̃_t = (S_t + canaries + σ_T·C_t·z)/B.
+The engine's clip factors carry a scale of its own (the sums it adds into its buffer are in the
+units it scales afterwards); the wrapper takes it out, the ratio of the engine's clip factor of a
+canary to the unscaled one, so S_t is in the mechanism's units whatever the engine's are.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ class CanaryClipper:
         self,
         inner: Clipper,
         canaries: GradientCanaries,
-        params: dict[str, Tensor],
+        params: Mapping[str, Tensor],
         threshold: Callable[[], float],
+        unit_coef: Callable[[float], CoefFn],
     ) -> None:
-        self.inner, self.canaries, self.threshold = inner, canaries, threshold
+        """``threshold`` gives the engine's C_t, ``unit_coef`` its clip function at a threshold
+        without the engine's scale (``coefficient_fn`` with scale 1)."""
+        self.inner, self.canaries = inner, canaries
+        self.threshold, self.unit_coef = threshold, unit_coef
         self.shapes = {name: p.shape for name, p in params.items()}
         self.real_sum = torch.zeros(len(canaries.column_groups), device=canaries.directions.device)
 
@@ -56,11 +63,12 @@ class CanaryClipper:
         norms, sums = self._real(
             model, loss_fn, inputs[~is_canary], targets[~is_canary], groups, coef_fn
         )
-        self.real_sum += self._flat(sums)
+        threshold = self.threshold()
+        factors = self.canaries.clipped_factors(coef_fn, threshold)
+        engine_scale = float(factors[0] / self.unit_factors(threshold)[0])
+        self.real_sum += self._flat(sums) / engine_scale
         ids = -1 - targets[is_canary]
         if len(ids):
-            threshold = self.threshold()
-            factors = self.canaries.clipped_factors(coef_fn, threshold)
             added = self._unflat(self.canaries.contributions(ids, factors, threshold))
             sums = {name: s + added[name] for name, s in sums.items()}
             canary_norms = torch.full(
@@ -75,9 +83,13 @@ class CanaryClipper:
             out[name].add_(s)
         return norms, out
 
+    def unit_factors(self, threshold: float) -> Tensor:
+        """c_g [M]: the clip factor of a canary in each group, without the engine's scale."""
+        return self.canaries.clipped_factors(self.unit_coef(threshold), threshold)
+
     def take_real_sum(self) -> Tensor:
-        """The real examples' clipped sum since the last call, flattened [P], divided by B as
-        the engine's clip factors divide it; resets it."""
+        """The real examples' clipped sum S_t since the last call, flattened [P], in the
+        mechanism's units (Σ_i c_i·g_i, not divided by B); resets it."""
         taken, self.real_sum = self.real_sum, torch.zeros_like(self.real_sum)
         return taken
 

@@ -16,7 +16,9 @@ from workers.dp.randomness import SecureStream
 
 
 class ScaledNoise(SecureStream):
-    """A :class:`SecureStream` whose standard normal draws are multiplied by ``scale``."""
+    """A :class:`SecureStream` whose normal draws are multiplied by ``scale``: a multiplier on
+    whatever standard deviation the engine asks :meth:`normal` for (drawing ahead goes through
+    :meth:`normal` too), so the fault does not depend on the units the engine draws in."""
 
     def __init__(self, scale: float) -> None:
         if not scale > 0:

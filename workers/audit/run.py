@@ -31,7 +31,7 @@ from workers.audit.clipper import CanaryClipper
 from workers.audit.noise import ScaledNoise
 from workers.audit.scores import LikelihoodRatio, canary_losses
 from workers.data import Dataset, load_dataset
-from workers.dp import PrivateStep
+from workers.dp import PrivateStep, coefficient_fn
 from workers.dp.randomness import SecureStream, TrialRandomness
 from workers.dp.sampling import micro_batches, poisson_batches
 from workers.models import build_model
@@ -100,7 +100,7 @@ def run_audit(
     randomness.gradient = ScaledNoise(noise_scale)
     design = SecureStream()  # the canaries and their coins: the auditor's own stream
     included = coin_flips(canaries, design)
-    torch.manual_seed(randomness.init_seed())
+    randomness.seed_torch(device)
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
     engine = build_engine(cfg, model, privacy, randomness)
 
@@ -160,7 +160,11 @@ def _white_box(
     )
     canaries = GradientCanaries.draw(len(included), column_groups, len(engine.groups), stream)
     clipper = CanaryClipper(
-        engine.clipper, canaries, engine.params, threshold=lambda: engine.rule.threshold
+        engine.clipper,
+        canaries,
+        engine.params,
+        threshold=lambda: engine.rule.threshold,
+        unit_coef=lambda c: coefficient_fn(engine.clipping, c, len(engine.groups), engine.gamma),
     )
     engine.clipper = clipper
     ratio = LikelihoodRatio(engine, clipper, canaries, privacy.sample_rate)
