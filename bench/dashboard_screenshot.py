@@ -11,7 +11,7 @@ dashboard's session cookie — and drives headless Chromium with Playwright. Nei
 dependency of dptune or of its tests: ``pip install playwright`` and a Chromium
 (``apt-get install chromium`` on Debian; Playwright's own download is not needed). The token
 is ``RAY_AUTH_TOKEN``, else the file ``--token-file`` (the local head's:
-``<DPTUNE_DATA_DIR>/ray/auth_token``).
+``<DPTUNE_STATE_DIR>/ray-auth-token``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 from playwright.sync_api import Page, sync_playwright
+
+from service.settings import RAY_TOKEN_FILE, Settings
 
 #: Chromium without a sandbox (root in a container), a GPU, or any call home
 CHROMIUM_FLAGS = [
@@ -81,8 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=int, required=True, help="the dptune job id")
     parser.add_argument("--dashboard", default="http://127.0.0.1:8265")
-    data_dir = Path(os.environ.get("DPTUNE_DATA_DIR", ".dptune"))
-    parser.add_argument("--token-file", type=Path, default=data_dir / "ray" / "auth_token")
+    parser.add_argument("--token-file", type=Path, default=Settings().state_path / RAY_TOKEN_FILE)
     parser.add_argument("--out", type=Path, default=Path("docs"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--size", default="1600x1000", help="the window, WIDTHxHEIGHT")

@@ -31,8 +31,11 @@ RUN useradd --create-home --uid 1000 --user-group dptune \
     && mkdir /data && chown dptune:dptune /data
 USER dptune
 WORKDIR /home/dptune
-# Shared storage (the same path on every Ray node); Ray's token is required (head.py).
+# Shared storage (the same path on every Ray node); Ray's token is required (head.py). The
+# service's own state (the SQLite database when there is no DPTUNE_DATABASE_URL, a Ray token
+# file) stays in the home of the image's user, never on a volume Ray nodes mount.
 ENV DPTUNE_DATA_DIR=/data \
+    DPTUNE_STATE_DIR=/home/dptune/state \
     RAY_AUTH_MODE=token
 
 EXPOSE 8000

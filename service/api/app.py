@@ -147,7 +147,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.data_path.mkdir(parents=True, exist_ok=True)
+        settings.prepare_dirs()
         engine = create_db_engine(settings.sqlalchemy_url)
         ensure_schema(engine, settings.auto_upgrade)
         sessions = sessionmaker(engine, expire_on_commit=False)

@@ -14,7 +14,7 @@ from service.settings import Settings, StartupError
 
 app = typer.Typer(
     no_args_is_help=True,
-    help="The database schema at DPTUNE_DATABASE_URL (default: SQLite under DPTUNE_DATA_DIR).",
+    help="The database schema at DPTUNE_DATABASE_URL (default: SQLite in DPTUNE_STATE_DIR).",
 )
 
 
@@ -24,7 +24,7 @@ def _engine() -> Iterator[Engine]:
     exit status 1, as at ``dptune serve``."""
     settings = Settings()
     try:
-        settings.data_path.mkdir(parents=True, exist_ok=True)
+        settings.prepare_dirs()
         engine = create_db_engine(settings.sqlalchemy_url)
         try:
             yield engine

@@ -51,16 +51,17 @@ JOBS = {
 ACTIVE = ("queued", "running")
 
 
-def _fresh(data_dir: Path) -> None:
-    """Start from an empty data dir, but never wipe one that is not a previous demo's."""
-    if data_dir.exists():
-        if any(data_dir.iterdir()) and not (data_dir / ".dptune-demo").exists():
+def _fresh(directory: Path) -> None:
+    """Start from an empty directory (the data dir, the state dir beside it), but never wipe
+    one that is not a previous demo's."""
+    if directory.exists():
+        if any(directory.iterdir()) and not (directory / ".dptune-demo").exists():
             raise typer.BadParameter(
-                f"{data_dir} exists and is not a dptune demo directory", param_hint="--data-dir"
+                f"{directory} exists and is not a dptune demo directory", param_hint="--data-dir"
             )
-        shutil.rmtree(data_dir)
-    data_dir.mkdir(parents=True)
-    (data_dir / ".dptune-demo").touch()
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (directory / ".dptune-demo").touch()
 
 
 def _watch(api: httpx.Client, jobs: dict[str, dict], console: Console) -> dict[str, dict]:
@@ -158,9 +159,10 @@ def _summary(
 
 
 def demo(
-    data_dir: Annotated[Path, typer.Option(help="Demo data (wiped at start).")] = Path(
-        ".dptune-demo"
-    ),
+    data_dir: Annotated[
+        Path,
+        typer.Option(help="Demo data (wiped at start, with its state dir <data-dir>-state)."),
+    ] = Path(".dptune-demo"),
     keep_ray: Annotated[
         bool,
         typer.Option(help="Leave the local Ray head running (to browse the dashboard afterwards)."),
@@ -169,9 +171,10 @@ def demo(
     """Run the product end to end on embedded defaults: service, local Ray, two tuning jobs on
     scikit-learn's digits, their charges and the released models."""
     console = Console()
-    _fresh(data_dir)
     key = f"dpt_demo-{secrets.token_urlsafe(16)}"
-    settings = Settings(data_dir=data_dir, operator_key=key)
+    settings = Settings(data_dir=data_dir, state_dir=None, operator_key=key)
+    _fresh(settings.data_path)
+    _fresh(settings.state_path)
     console.print("Starting a local Ray head (dashboard on 127.0.0.1) …")
     port = free_port()
     orchestrator = ray_orchestrator(settings, f"http://127.0.0.1:{port}")

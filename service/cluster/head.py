@@ -4,9 +4,11 @@
 background (:class:`LocalHead`, :func:`probe`), so budgets and jobs can be read meanwhile.
 
 Ray 2.60 turns token authentication on for new local clusters. We keep it on: the token lives
-in ``<data dir>/ray/auth_token`` (created once, mode 0600) unless ``RAY_AUTH_TOKEN`` /
+in ``<state dir>/ray-auth-token`` (created once, mode 0600) unless ``RAY_AUTH_TOKEN`` /
 ``RAY_AUTH_TOKEN_PATH`` name one, the local head is started with it, and every Jobs API call
 sends it as ``Authorization: Bearer``. Only the test suite sets ``RAY_AUTH_MODE=disabled``.
+Every Ray process, trials included, holds the token (Ray's workers authenticate with it); none
+is told where the state dir is (invariant 16).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from service.orchestration import OrchestratorUnavailable
+from service.settings import RAY_TOKEN_FILE, private_dir, private_file
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +63,21 @@ def auth_enabled() -> bool:
     return os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled"
 
 
-def ensure_token(data_dir: Path) -> str:
+def ensure_token(state_dir: Path) -> str:
     """The Ray token: ``RAY_AUTH_TOKEN``, the file at ``RAY_AUTH_TOKEN_PATH``, or one created
-    once under the data dir. Exported so that Ray (and the processes it starts) use it."""
+    once in the state dir. Exported as ``RAY_AUTH_TOKEN`` so that Ray (and the processes it
+    starts: a local head, its trials) use it by value, never learning the state dir's path."""
     if token := os.environ.get("RAY_AUTH_TOKEN"):
         return token
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", data_dir / "ray" / "auth_token"))
+    configured = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(configured) if configured else private_dir(state_dir) / RAY_TOKEN_FILE
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(32))
+        private_file(path).write_text(secrets.token_hex(32))
+    token = path.read_text().strip()
     os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-    return path.read_text().strip()
+    os.environ["RAY_AUTH_TOKEN"] = token
+    return token
 
 
 def probe(connection: RayConnection, timeout_s: float = 5) -> str | None:
@@ -90,7 +95,12 @@ def probe(connection: RayConnection, timeout_s: float = 5) -> str | None:
     return None
 
 
-def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None) -> None:
+def _start_head(
+    dashboard_port: int, num_cpus: int | None, num_gpus: int | None, cwd: Path | None = None
+) -> None:
+    """``ray start --head``. Its processes — every job's driver, every trial — inherit its
+    environment and its working directory ``cwd`` (the data dir, not the service's own, which
+    may hold the state dir)."""
     cmd = [
         _ray_cli(),
         "start",
@@ -107,7 +117,9 @@ def _start_head(dashboard_port: int, num_cpus: int | None, num_gpus: int | None)
     # Ray's processes (and so every trial) inherit the head's environment: keep the service's
     # own settings — the operator key, the database URL — out of it.
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUNE_")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, check=False, env=env, cwd=cwd
+    )
     if done.returncode != 0:
         raise RuntimeError(f"could not start a local Ray head:\n{done.stderr[-2000:]}")
 
@@ -123,17 +135,17 @@ def _wait_until_up(connection: RayConnection, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def connection_to(data_dir: Path, address: str | None, dashboard_port: int) -> RayConnection:
+def connection_to(state_dir: Path, address: str | None, dashboard_port: int) -> RayConnection:
     """The Jobs API of the cluster at ``address`` or of the local head on ``dashboard_port``,
-    with the token to send it; nothing is contacted."""
-    token = ensure_token(data_dir) if auth_enabled() else None
+    with the token to send it (:func:`ensure_token`); nothing is contacted."""
+    token = ensure_token(state_dir) if auth_enabled() else None
     return RayConnection(
         address or f"http://{DASHBOARD_HOST}:{dashboard_port}", token, started_here=False
     )
 
 
 def connect(
-    data_dir: Path,
+    state_dir: Path,
     address: str | None = None,
     dashboard_port: int = 8265,
     num_cpus: int | None = None,
@@ -143,7 +155,7 @@ def connect(
     """Connect to the Ray cluster whose dashboard is at ``address`` (e.g.
     ``http://head:8265``) or, when it is None, to the local head on ``dashboard_port``,
     starting one if none answers (and waiting for it)."""
-    existing = connection_to(data_dir, address, dashboard_port)
+    existing = connection_to(state_dir, address, dashboard_port)
     if address is not None or probe(existing) is None:
         return existing
     _start_head(dashboard_port, num_cpus, num_gpus)
@@ -164,6 +176,7 @@ class LocalHead:
     dashboard_port: int
     num_cpus: int | None = None
     num_gpus: int | None = None
+    cwd: Path | None = None  # the data dir: jobs' drivers start there
     retry_s: float = 30.0
     timeout_s: float = 120.0
     started: bool = field(default=False, init=False)
@@ -177,7 +190,7 @@ class LocalHead:
             raise OrchestratorUnavailable(_COULD_NOT_START)
         self._next_try = time.monotonic() + self.retry_s
         try:
-            _start_head(self.dashboard_port, self.num_cpus, self.num_gpus)
+            _start_head(self.dashboard_port, self.num_cpus, self.num_gpus, self.cwd)
             self.started = True
             _wait_until_up(connection, self.timeout_s)
         except (RuntimeError, OSError, subprocess.SubprocessError) as error:

@@ -86,9 +86,9 @@ class RayOrchestrator:
     A Ray job's runtime environment is visible to anyone who can open the Ray dashboard, so it
     carries an explicit allow-list (:meth:`runtime_env`): where the control plane is, the job's
     token (good for recording that job's own trials only, never for reducing a charge), the
-    data directory — never the operator key, the database URL or any other ``DPTUNE_*``
-    setting of the service. ``namespace`` tells apart the control planes (databases) that
-    share a cluster.
+    data directory — never the operator key, the database URL, the state dir or any other
+    ``DPTUNE_*`` setting of the service (invariants 10 and 16). ``namespace`` tells apart the
+    control planes (databases) that share a cluster.
 
     Nothing is contacted until a job needs it, so the service starts while the cluster is
     down; ``local_head`` (the embedded default) is started by :meth:`check` when it does not
@@ -214,14 +214,19 @@ def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
             "dptune: DPTUNE_RAY_ADDRESS must be the URL of the Ray dashboard (Jobs API), "
             "e.g. http://ray-head:8265"
         )
-    settings.data_path.mkdir(parents=True, exist_ok=True)
+    settings.prepare_dirs()
     local_head = (
         None
         if address
-        else LocalHead(settings.ray_dashboard_port, settings.ray_num_cpus, settings.ray_num_gpus)
+        else LocalHead(
+            settings.ray_dashboard_port,
+            settings.ray_num_cpus,
+            settings.ray_num_gpus,
+            cwd=settings.data_path,
+        )
     )
     return RayOrchestrator(
-        connection_to(settings.data_path, address, settings.ray_dashboard_port),
+        connection_to(settings.state_path, address, settings.ray_dashboard_port),
         settings.control_url or control_url,
         settings.data_path,
         namespace(settings.sqlalchemy_url),

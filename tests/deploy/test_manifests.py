@@ -373,6 +373,34 @@ def test_the_data_dir_is_one_volume_at_one_path() -> None:
         assert {"name": volume["name"], "mountPath": k8s_path} in main["volumeMounts"], owner
 
 
+def test_the_services_state_is_never_on_a_ray_nodes_volume() -> None:
+    """Invariant 16: the API's state dir (its SQLite database or Ray token file, should it
+    keep one) lies outside the data dir and every other volume a Ray node mounts, and no Ray
+    node is told where it is."""
+    image_env = dict(
+        item.split("=", 1)
+        for instr, args in dockerfile("api.Dockerfile")
+        if instr == "ENV"
+        for item in args.split()
+    )
+    services = compose()["services"]
+    k8s_api = {k: v["value"] for k, v in container_env(api_container()).items() if "value" in v}
+    ray_mounts = [v.split(":")[1] for name in RAY_SERVICES for v in services[name]["volumes"]]
+    ray_envs = [compose_env(services[name]) for name in RAY_SERVICES]
+    for group in ray_groups(raycluster()):
+        for container in containers(group["template"]["spec"]):
+            ray_mounts += [m["mountPath"] for m in container.get("volumeMounts", [])]
+            ray_envs.append({k: str(v.get("value")) for k, v in container_env(container).items()})
+    for api_env in ({**image_env, **compose_env(services["api"])}, {**image_env, **k8s_api}):
+        settings = Settings(
+            data_dir=api_env["DPTUNE_DATA_DIR"], state_dir=api_env.get("DPTUNE_STATE_DIR")
+        )
+        state = settings.state_path
+        assert not any(state.is_relative_to(mount) for mount in ray_mounts), state
+        assert not any(str(state) in value for env in ray_envs for value in env.values())
+        assert settings.data_path.as_posix() in ray_mounts
+
+
 def test_compose_dependencies_and_health_checks() -> None:
     doc = compose()
     services = doc["services"]

@@ -77,7 +77,7 @@ def make_spec(dataset: int, epsilon: float = 1.0, **privacy: Any) -> dict[str, A
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request) -> str | None:
     """Every test that starts the service runs on both databases: ``sqlite`` (None: the
-    default file in ``data_dir``) and ``postgresql`` (a fresh database on the server of
+    default file in the state dir) and ``postgresql`` (a fresh database on the server of
     ``DPTUNE_TEST_POSTGRES_URL``, dropped after the test; skipped without one)."""
     if request.param == "sqlite":
         return None
@@ -86,7 +86,9 @@ def database_url(request) -> str | None:
 
 @pytest.fixture
 def settings(tmp_path, database_url) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=database_url, operator_key=OPERATOR_KEY)
+    settings = Settings(data_dir=tmp_path, database_url=database_url, operator_key=OPERATOR_KEY)
+    settings.prepare_dirs()  # as the service does before it opens the database
+    return settings
 
 
 @pytest.fixture

@@ -470,7 +470,7 @@ def test_what_a_submission_failure_means(monkeypatch, error, outcome) -> None:
 def test_a_local_head_that_does_not_start_is_retried_in_the_background(monkeypatch) -> None:
     tries: list[int] = []
 
-    def cannot_start(port: int, num_cpus: int | None, num_gpus: int | None) -> None:
+    def cannot_start(port: int, *_: object) -> None:
         tries.append(port)
         raise RuntimeError("could not start a local Ray head:\nport taken")
 
