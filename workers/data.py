@@ -10,18 +10,21 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import math
 import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from zipfile import BadZipFile
+from zipfile import BadZipFile, ZipFile, ZipInfo
 
 import numpy as np
 import pandas as pd
 import torch
 from pyarrow import ArrowException
+from pyarrow.parquet import read_metadata
 from torch import Tensor
 
 from core.config import DatasetConfig
@@ -148,14 +151,17 @@ def heavy_tail(options: Options) -> Dataset:
     return Dataset("heavy_tail", x, y, len(per_class), class_group=class_group)
 
 
+#: the arrays an ``.npz`` dataset may hold; other members of the archive are never read
+NPZ_ARRAYS = ("x", "y", "x_val", "y_val")
+
+
 def npz(path: Path, num_classes: int) -> Dataset:
     """A user file with ``x``, ``y`` (private) and optional ``x_val``, ``y_val`` (public)."""
-    with _reading("npz"):
-        raw = np.load(path, allow_pickle=False)
-        if not isinstance(raw, np.lib.npyio.NpzFile):
-            raise ValueError("a single .npy array, not an .npz archive")
-        with raw:
-            arrays = {k: raw[k] for k in raw.files}
+    with _reading("npz"), _npz_members(path) as (archive, members):
+        arrays = {}
+        for key, info in members.items():
+            with archive.open(info) as member:
+                arrays[key] = np.lib.format.read_array(member, allow_pickle=False)
     for key in ("x", "y"):
         if key not in arrays:
             raise ValueError(f"dataset.source: the file has no array {key!r}")
@@ -230,9 +236,10 @@ def _first_bad(values: pd.Series, name: str, integral: bool) -> str:
 
 
 def table_file(kind: str, path: Path, options: Options, num_classes: int) -> Dataset:
-    """A CSV file with a header row, or a Parquet file, as :func:`table` reads it."""
+    """A CSV file with a header row (plain text: pandas would otherwise inflate a name ending
+    in ``.gz`` or ``.zip``), or a Parquet file, as :func:`table` reads it."""
     with _reading(kind):
-        frame = pd.read_csv(path) if kind == "csv" else pd.read_parquet(path)
+        frame = pd.read_csv(path, compression=None) if kind == "csv" else pd.read_parquet(path)
     features = options.get("features")
     x, y = table(frame, str(options["label"]), features if isinstance(features, list) else None)
     return Dataset(path.stem, x, y, num_classes)
@@ -244,11 +251,97 @@ def _reading(kind: str) -> Iterator[None]:
     parser raises for it (pandas, pyarrow, numpy or zipfile)."""
     try:
         yield
-    except (ValueError, OSError, EOFError, BadZipFile, ArrowException) as error:
+    except (
+        ValueError,
+        OSError,
+        EOFError,
+        BadZipFile,
+        NotImplementedError,  # a zip member's compression method that zipfile lacks
+        zlib.error,
+        ArrowException,
+    ) as error:
         reason = " ".join(str(error).split())[:200] or type(error).__name__
         raise ValueError(f"dataset.source: not a readable {kind} file ({reason})") from None
 
 
+@contextmanager
+def _npz_members(path: Path) -> Iterator[tuple[ZipFile, dict[str, ZipInfo]]]:
+    """The archive of an ``.npz`` file and its members that hold the dataset's arrays
+    (``x.npy`` …), none of them read yet."""
+    with path.open("rb") as f:
+        if f.read(len(np.lib.format.MAGIC_PREFIX)) == np.lib.format.MAGIC_PREFIX:
+            raise ValueError("a single .npy array, not an .npz archive")
+    with ZipFile(path) as archive:
+        names = set(archive.namelist())
+        yield archive, {k: archive.getinfo(f"{k}.npy") for k in NPZ_ARRAYS if f"{k}.npy" in names}
+
+
+#: a file may declare at most this many times its own size of data (unless it declares little)
+MAX_RATIO = 100
+#: what a file may declare whatever its own size
+RATIO_FLOOR = 16 * 1024**2
+_NPY_HEADERS = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def check_size(kind: str, path: Path, max_bytes: int) -> None:
+    """Refuse a file whose data would take more than ``max_bytes`` once read, or over
+    ``MAX_RATIO`` times the file's own size (a decompression bomb), from what the file
+    declares, before any of its data is inflated: the control plane reads a file it registers
+    whole, in its own memory."""
+    with _reading(kind):
+        declared_bytes = _DECLARED_BYTES[kind](path)
+    stored = path.stat().st_size
+    if declared_bytes > max_bytes:
+        raise ValueError(
+            f"dataset.source: the {kind} file declares {declared_bytes} bytes of data, more "
+            f"than the {max_bytes} the service reads (DPTUNE_MAX_DATASET_BYTES)"
+        )
+    if declared_bytes > max(RATIO_FLOOR, MAX_RATIO * stored):
+        raise ValueError(
+            f"dataset.source: the {kind} file declares {declared_bytes} bytes of data in "
+            f"{stored}, over {MAX_RATIO} times its size, and is refused as a decompression "
+            "bomb; store the data uncompressed (numpy.savez, or Parquet without compression "
+            "and dictionaries)"
+        )
+
+
+def _npz_bytes(path: Path) -> int:
+    """Each array's size as its ``.npy`` header declares it (shape × item size: what numpy
+    allocates) or as the archive does (what zipfile inflates), whichever is larger; only the
+    headers are inflated."""
+    with _npz_members(path) as (archive, members):
+        return sum(max(m.file_size, _npy_bytes(archive, m)) for m in members.values())
+
+
+def _npy_bytes(archive: ZipFile, info: ZipInfo) -> int:
+    with archive.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version not in _NPY_HEADERS:
+            raise ValueError(f"{info.filename}: .npy format version {version} is not supported")
+        shape, _, dtype = _NPY_HEADERS[version](member)
+    if any(size < 0 for size in shape):
+        raise ValueError(f"{info.filename}: a negative dimension in {shape}")
+    return math.prod(shape) * dtype.itemsize
+
+
+def _parquet_bytes(path: Path) -> int:
+    """From the file's footer: its row groups' uncompressed size, or, if more, 8 bytes for each
+    value (pandas holds numbers in 64 bits; a run-length encoded column is small on disk)."""
+    meta = read_metadata(path)
+    uncompressed = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return int(max(uncompressed, meta.num_rows * meta.num_columns * 8))
+
+
+def _csv_bytes(path: Path) -> int:
+    """The text's own size: parsed, a value takes 8 bytes, at most four times its text with
+    its separator (``0,``), so the file's size bounds what it becomes."""
+    return path.stat().st_size
+
+
+_DECLARED_BYTES = {"npz": _npz_bytes, "parquet": _parquet_bytes, "csv": _csv_bytes}
 BUILTINS = {"digits": digits, "mnist1d": mnist1d, "heavy_tail": heavy_tail}
 #: file formats, by the ``source`` prefix that names them (``csv:<path under DATA_DIR>``)
 FILE_FORMATS = ("npz", "csv", "parquet")
@@ -282,16 +375,22 @@ def declared(kind: str, options: Options, num_classes: int | None) -> int:
     return num_classes
 
 
-def load_dataset(cfg: DatasetConfig, data_dir: Path | None = None) -> Dataset:
+def load_dataset(
+    cfg: DatasetConfig, data_dir: Path | None = None, max_bytes: int | None = None
+) -> Dataset:
     """Build the dataset of ``cfg`` and check it (:func:`check`): registration, uploads and
     every trial read data through here. A relative file path is resolved against ``data_dir``
-    (the service's DATA_DIR) when given."""
+    (the service's DATA_DIR) when given. With ``max_bytes`` (the control plane's bound), a file
+    is first checked by :func:`check_size`; a trial reads a file registered under that bound,
+    whose content it checks against the registered hash."""
     kind, _, name = cfg.source.partition(":")
     if kind in FILE_FORMATS:
         path = data_dir / name if data_dir else Path(name)
         if not path.is_file():
             raise ValueError(f"dataset.source: no such file {name!r}")
         num_classes = declared(kind, cfg.options, cfg.num_classes)
+        if max_bytes is not None:
+            check_size(kind, path, max_bytes)
         dataset = (
             npz(path, num_classes)
             if kind == "npz"
@@ -408,9 +507,12 @@ def describe(
     data_dir: Path | None = None,
     options: Options | None = None,
     num_classes: int | None = None,
+    max_bytes: int | None = None,
 ) -> DatasetInfo:
     d = load_dataset(
-        DatasetConfig(source=source, options=options or {}, num_classes=num_classes), data_dir
+        DatasetConfig(source=source, options=options or {}, num_classes=num_classes),
+        data_dir,
+        max_bytes,
     )
     return DatasetInfo(
         d.size, d.num_classes, d.input_shape, d.splits.get("val") == "public", content_sha256(d)

@@ -5,7 +5,10 @@ An operator registers a dataset from a builtin, from a file under DATA_DIR (``np
 ``format``): it awaits its data, no job can use it, until ``PUT /v1/datasets/{id}/data``
 streams the file to ``DATA_DIR/uploads/<id>.<format>``. The file is read and checked
 (:func:`workers.data.load_dataset`, as every trial reads it) before it is moved into place
-and its size and content hash recorded; a file that fails leaves nothing behind.
+and its size and content hash recorded; a file that fails leaves nothing behind. A file whose
+data would take more than ``DPTUNE_MAX_DATASET_BYTES`` once read, or that declares over 100
+times its size (a decompression bomb), is refused before it is inflated
+(:func:`workers.data.check_size`).
 """
 
 from __future__ import annotations
@@ -221,7 +224,13 @@ def register(
         session.commit()
         return dataset_out(dataset, operator=True)
     try:
-        info = describe(body.source, settings.data_path, body.options, body.num_classes)
+        info = describe(
+            body.source,
+            settings.data_path,
+            body.options,
+            body.num_classes,
+            settings.max_dataset_bytes,
+        )
     except (ValueError, OSError, KeyError) as error:
         raise _load_error(error, "source", repr(body.source)) from None
     _claim_name(session, body.name)
@@ -271,6 +280,7 @@ async def upload(dataset_id: Id, request: Request, settings: SettingsDep, _: Ope
                 settings.data_path,
                 dataset.options,
                 dataset.num_classes,
+                settings.max_dataset_bytes,
             )
         except (ValueError, OSError, KeyError) as error:
             raise _load_error(error, "body", f"the uploaded {kind} file") from None

@@ -1,12 +1,20 @@
-"""Datasets: sizes, classes, splits and which are public."""
+"""Datasets: sizes, classes, splits and which are public; what a file declares is checked
+before it is inflated (issue 39, finding 10; the bombs through the API:
+``tests/service/test_dataset_sizes.py``)."""
+
+import gzip
+import struct
+import zipfile
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.config import DatasetConfig
-from workers.data import declared, describe, hold_out, load_dataset
+from workers.data import check_size, declared, describe, hold_out, load_dataset
 from workers.dp.randomness import SecureStream
 
 
@@ -190,3 +198,63 @@ def test_digits_are_scikit_learns_digits() -> None:
     got = sorted(zip(x.round().long().tolist(), y.tolist(), strict=True))
     expected = sorted(zip(raw.data.astype(int).tolist(), raw.target.tolist(), strict=True))
     assert got == expected
+
+
+def _npy(shape: tuple[int, ...], version: tuple[int, int], data: bytes = b"") -> bytes:
+    """A .npy file whose header declares float64 ``shape``, followed by ``data`` only."""
+    text = repr({"descr": "<f8", "fortran_order": False, "shape": shape}).encode() + b"\n"
+    length = struct.pack("<H" if version == (1, 0) else "<I", len(text))
+    return np.lib.format.MAGIC_PREFIX + bytes(version) + length + text + data
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_an_npy_header_declaring_a_huge_array_is_refused_unread(tmp_path, version) -> None:
+    """numpy allocates what the header declares before it reads the data."""
+    path = tmp_path / "lie.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", _npy((10**12, 3), version, bytes(64)))
+        archive.writestr("y.npy", _npy((2,), (1, 0), bytes(16)))
+    with pytest.raises(ValueError, match=r"^dataset.source: the npz file declares 24000000000"):
+        check_size("npz", path, 2 * 1024**3)
+
+
+def test_npz_members_that_are_not_arrays_of_the_dataset_are_never_read(tmp_path) -> None:
+    path = tmp_path / "extra.npz"
+    np.savez_compressed(path, x=np.ones((4, 2)), y=np.array([0, 1, 0, 1]))
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("junk.npy", bytes(64 * 1024**2))  # a bomb nobody asked for
+        archive.writestr("x", b"not the array x")  # np.load would give these bytes for "x"
+    check_size("npz", path, 1024)
+    assert load(f"npz:{path}", num_classes=2).x.shape == (4, 2)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", _npy((2, 2), (3, 0), bytes(32)))
+    with pytest.raises(ValueError, match=r"not a readable npz file.*version"):
+        check_size("npz", path, 1024)
+
+
+def test_a_compressed_csv_is_read_as_text_never_inflated(tmp_path) -> None:
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(_table().to_csv(index=False).encode()))
+    with pytest.raises(ValueError, match="not a readable csv file"):
+        load(f"csv:{path}", 3, label="label")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(["uint8", "int16", "float32", "float64", "int64"]),
+    rows=st.integers(1, 300),
+    features=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    compressed=st.booleans(),
+)
+def test_what_an_npz_declares_bounds_what_it_allocates(
+    tmp_path_factory, dtype, rows, features, compressed
+) -> None:
+    """Under a bound of one byte less than its arrays take once read, a file is refused; and
+    a file of zeros that compresses well is refused as a bomb only past ``RATIO_FLOOR``."""
+    path = tmp_path_factory.mktemp("npz") / "d.npz"
+    x, y = np.zeros((rows, *features), dtype=dtype), np.zeros(rows, dtype=np.int64)
+    (np.savez_compressed if compressed else np.savez)(path, x=x, y=y)
+    with pytest.raises(ValueError, match="DPTUNE_MAX_DATASET_BYTES"):
+        check_size("npz", path, x.nbytes + y.nbytes - 1)
+    check_size("npz", path, 2 * (x.nbytes + y.nbytes) + 1024)  # small: compress as it may
+    assert load(f"npz:{path}", num_classes=2).size == rows
