@@ -1,6 +1,7 @@
 """What the tuning job's driver and its trial processes share: the job's context, its trials'
 configurations and Tune's search space, the callback that marks dead attempts, and
-:func:`run`, the function the driver hands Tune.
+:func:`run`, the function the driver hands Tune (with the wait of a job that holds its
+release: :func:`hold`).
 
 Nothing here imports torch: the driver imports this module, and importing torch and the
 engine took 2–3 s of every job's start before its first trial process could begin. The
@@ -10,17 +11,23 @@ trial code (:mod:`runner.trainable`) is imported by :func:`run`, in the trial's 
 from __future__ import annotations
 
 import functools
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from ray import tune
 
 from core.config import DatasetConfig, TrialConfig
 from core.shapes import plan_shapes, shape_of
 from core.spec import JobSpec
-from runner.client import ControlPlane
+from runner.client import ControlPlane, ControlPlaneError
 from runner.search import Candidate
+
+log = logging.getLogger("dptune.job")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,12 @@ class JobContext:
     trials: int
     candidates: list[Candidate] | None
     proxy: DatasetConfig | None = None  # the public dataset a proxy search runs on
+
+    @property
+    def holds_release(self) -> bool:
+        """Whether the job holds its release (``privacy.hold_release``, random stopping only)
+        and, as long, its cluster resources."""
+        return bool(self.spec["privacy"].get("hold_release", False))
 
     def control_plane(self) -> ControlPlane:
         return _control_plane(self.control_url, self.token, self.job_id)
@@ -92,7 +105,30 @@ def run(config: dict[str, Any], ctx: JobContext, proxy: bool = False) -> None:
     per process, and never in the driver."""
     from runner import trainable  # torch and the engine: in the trial's process only
 
-    (trainable.run_on_proxy if proxy else trainable.run_candidate)(config, ctx)
+    if proxy:
+        trainable.run_on_proxy(config, ctx)
+        return
+    try:
+        trainable.run_candidate(config, ctx)
+    finally:
+        if ctx.holds_release and trial_index(config) == ctx.trials - 1:
+            hold(ctx.control_plane().hold_left)
+
+
+def hold(seconds_left: Callable[[], float], sleep: Callable[[float], None] = time.sleep) -> None:
+    """The last trial of a job that holds its release waits, in its process and so with the
+    CPUs and GPUs Tune gave it, until the control plane's hold ends
+    (:func:`core.hold.hold_until`): the job runs its trials one at a time in one process
+    (:func:`runner.driver.tune_config`), so from its first trial to the hold's end it keeps one
+    trial's resources whatever K, and no other job's start or attempt times tell K
+    (docs/design.md, invariant 11). ``seconds_left`` asks the control plane, whose clock
+    alone times the hold. When it stops answering the wait ends: the job cannot end without
+    it either."""
+    try:
+        while (left := seconds_left()) > 0:
+            sleep(left)
+    except (ControlPlaneError, httpx.HTTPError) as error:
+        log.warning("stopped holding the job's resources: %s", error)
 
 
 class AttemptRecorder(tune.Callback):

@@ -12,8 +12,11 @@ analyst sees of such a job:
 - no start or end time, no count of trials, only the released trial, without its index;
 - ledger rows without their time, and no row that carries no amount.
 
-What is left is the wall-clock channel: when the status changes. ``privacy.hold_release``
-closes most of it — the job looks ``running``, with no model, until :func:`hold_until`.
+An analyst's read of such a job never asks the orchestrator (:func:`asks_orchestrator`)
+and does the same work whether the job still runs or has ended. What is left is the
+wall-clock channel: when the status changes. ``privacy.hold_release`` closes most of it —
+the job looks ``running``, with no model, until :func:`hold_until`, and keeps its cluster
+resources as long (:func:`hold_left`).
 The current time comes from :func:`now` alone, so that tests can move it.
 """
 
@@ -21,13 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import Select, String, and_, case, cast, not_, or_, select
 from sqlalchemy.orm import Session, aliased, object_session
 
-from core import accounting
+from core import accounting, hold
 from core.shapes import plan_shapes, shape_of
 from core.spec import Selection
 from service import ledger
@@ -92,15 +95,24 @@ def _k_secret(job: Job, caller: Principal) -> bool:
     return job.accounting in accounting.RANDOM_STOPPING and not caller.is_operator
 
 
+def asks_orchestrator(job: Job, caller: Principal) -> bool:
+    """Whether the caller's read of the job may ask the orchestrator for its state. Not an
+    analyst's of a random-stopping job: the orchestrator is asked only while the job runs,
+    so the time the read takes would tell when it ended, and so K, whatever its body says.
+    Its state is kept current without them: by the runner's own end call, the service's
+    poller (:func:`service.lifecycle.reconcile`) and operators' reads."""
+    return not _k_secret(job, caller)
+
+
 def hold_until(job: Job) -> datetime | None:
     """The earliest time an analyst may see how a started job that holds its release ended:
     as long after its start as the cap on trials would take, run one after another like
-    trial 0 — ``started_at + cap × d × r``, d the duration of trial 0's first attempt, r the
-    longest shape's steps over trial 0's (:func:`_slowest`). Trial 0 runs
-    whenever K ≥ 1 and how long it takes does not depend on K, except through contention:
-    trials that share a node slow each other down, so d can still grow with K. The hold only
-    delays: a job still running at that time shows its end when it ends (trials slower than
-    trial 0, or gaps between trials, can push it past), and then the time depends on K again.
+    trial 0 (:func:`core.hold.hold_until`, which the job's runner follows too: it keeps its
+    cluster resources until then). How long trial 0 takes does not depend on K: such a job
+    runs its trials one at a time (``runner.driver.tune_config``), so trial 0 shares its node
+    with no trial of its own job. The hold only delays: a job still running at that time
+    shows its end when it ends (trials slower than trial 0, or gaps between trials, can push
+    it past), and then the time depends on K again.
 
     None while d is not known yet (the job is held meanwhile). A first attempt that never
     reported its end is taken to have run until the job ended. A job that ended without a
@@ -111,22 +123,31 @@ def hold_until(job: Job) -> datetime | None:
     first = _first_attempt(job)
     if first is None:
         return job.finished_at
-    end = first.ended_at or job.finished_at
+    attempt, params = first
+    end = attempt.ended_at or job.finished_at
     if end is None:
         return None
-    return job.started_at + job.plan["trials"]["max"] * _slowest(job, first) * (
-        end - first.started_at
-    )
+    cap = job.plan["trials"]["max"]
+    return hold.hold_until(job.started_at, cap, end - attempt.started_at, _slowest(job, params))
 
 
-def _slowest(job: Job, first: TrialAttempt) -> float:
+def hold_left(job: Job) -> timedelta:
+    """How much longer the job's runner keeps its cluster resources (its last trial's
+    process waits, ``runner.job``): until :func:`hold_until` for a started job that holds
+    its release, so that no other job's start or attempt times tell its K. Zero for a job
+    that does not hold, and while trial 0 is not timed (the runner asks after its last trial,
+    when trial 0 has ended)."""
+    holds = job.spec["privacy"].get("hold_release", False)
+    until = hold_until(job) if holds and job.started_at is not None else None
+    return max(until - now(), timedelta(0)) if until is not None else timedelta(0)
+
+
+def _slowest(job: Job, params: dict[str, Any]) -> float:
     """How many times trial 0's steps the longest shape runs (1 unless the job searches batch
     size or epochs): each trial is timed as if it ran the most steps any shape has, so that
     the hold does not end sooner for a trial 0 that drew a short shape."""
     shapes = plan_shapes(job.plan)
-    trial = _session(job).get(Trial, first.trial_id)
-    assert trial is not None
-    return max(s.steps for s in shapes) / shape_of(shapes, trial.params).steps
+    return max(s.steps for s in shapes) / shape_of(shapes, params).steps
 
 
 def _outcome_shown(job: Job, caller: Principal) -> bool:
@@ -140,15 +161,17 @@ def _outcome_shown(job: Job, caller: Principal) -> bool:
     return until is not None and now() >= until
 
 
-def _first_attempt(job: Job) -> TrialAttempt | None:
-    """Trial 0's first attempt, read on its own: loading every trial would make the time an
-    analyst's request takes grow with K."""
+def _first_attempt(job: Job) -> tuple[TrialAttempt, dict[str, Any]] | None:
+    """Trial 0's first attempt and trial 0's parameters, in one statement whether or not the
+    job ended: loading every trial would make the time an analyst's request takes grow with
+    K, and a second read only once trial 0 has ended would time its end."""
     query = (
-        select(TrialAttempt)
+        select(TrialAttempt, Trial.params)
         .join(Trial, TrialAttempt.trial_id == Trial.id)
         .where(Trial.job_id == job.id, Trial.index == 0, TrialAttempt.number == 1)
     )
-    return _session(job).execute(query).scalar_one_or_none()
+    row = _session(job).execute(query).one_or_none()
+    return None if row is None else (row[0], row[1])
 
 
 def _released_trial(job: Job) -> Trial | None:

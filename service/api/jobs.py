@@ -155,9 +155,13 @@ def list_jobs(
 def get_job(
     job_id: Id, session: SessionDep, caller: Caller, orchestrator: OrchestratorDep
 ) -> JobOut:
-    visible_job(session, caller, job_id)
-    lifecycle.refresh(session, orchestrator, job_id)
-    return job_out(session.get(Job, job_id), caller, orchestrator.dashboard_url)
+    """The job as the caller sees it, its state asked of the orchestrator first — except for
+    an analyst of a random-stopping job, whose read does the same work whether the job runs
+    or has ended (:func:`service.visibility.asks_orchestrator`; invariant 11)."""
+    job = visible_job(session, caller, job_id)
+    if visibility.asks_orchestrator(job, caller):
+        lifecycle.refresh(session, orchestrator, job_id)
+    return job_out(job, caller, orchestrator.dashboard_url)
 
 
 @router.get("/{job_id}/trials", responses=responses(404))

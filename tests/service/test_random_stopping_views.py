@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from core import accounting
@@ -25,7 +26,7 @@ from service import ledger, lifecycle, visibility
 from service.api import create_app
 from service.attempts import finish_attempt, record_progress, release_model, start_attempt
 from service.db import Job
-from service.orchestration import JobState
+from service.orchestration import JobState, Orchestrator, Submission
 from service.settings import Settings
 
 OPERATOR_KEY = "dpt_views-operator-key-0123456789"
@@ -58,15 +59,18 @@ def _bearer(key: str) -> dict[str, str]:
 
 @pytest.fixture
 def fresh(tmp_path) -> Iterator[Callable[[str], Service]]:
-    """Starts a service of its own (SQLite, no-op orchestrator) with a dataset and an
-    analyst key."""
+    """Starts a service of its own (SQLite; the no-op orchestrator unless given one, polled
+    every ``poll_s`` if given) with a dataset and an analyst key."""
     with ExitStack() as stack:
 
-        def start(name: str) -> Service:
+        def start(
+            name: str, orchestrator: Orchestrator | None = None, poll_s: float | None = None
+        ) -> Service:
             settings = Settings(
                 data_dir=tmp_path / name, database_url=None, operator_key=OPERATOR_KEY
             )
-            client = stack.enter_context(TestClient(create_app(settings)))
+            app = create_app(settings, orchestrator, poll_s)
+            client = stack.enter_context(TestClient(app))
             operator = _bearer(OPERATOR_KEY)
             r = client.post(
                 "/v1/datasets",
@@ -402,3 +406,200 @@ def test_the_bound_is_charged_before_k_is_drawn(fresh, spec):
     with svc.session() as session:
         start_attempt(session, job_id, 0, BEST)
     assert svc.client.get(budget, headers=svc.analyst).json() == before
+
+
+@dataclass
+class Cluster:
+    """An orchestrator that runs nothing and records every call: whether a job's Ray job
+    still runs is ``state``, as the Ray Jobs API would answer; ``tokens`` are the runner
+    tokens it was handed, by job id."""
+
+    state: JobState = JobState.RUNNING
+    calls: list[str] = field(default_factory=list)
+    tokens: dict[int, str] = field(default_factory=dict)
+    dashboard_url: str | None = None
+
+    def check(self) -> None:
+        self.calls.append("check")
+
+    def submit(self, submission: Submission) -> None:
+        self.calls.append("submit")
+        self.tokens[submission.job_id] = submission.token
+
+    def status(self, job_id: int) -> JobState:
+        self.calls.append("status")
+        return self.state
+
+    def cancel(self, job_id: int) -> None:
+        self.calls.append("cancel")
+
+    def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
+        self.calls.append("reconcile")
+        return dict.fromkeys(job_ids, self.state)
+
+
+@contextmanager
+def statements(svc: Service) -> Iterator[list[str]]:
+    """The SQL statements the service runs meanwhile, in order."""
+    engine = svc.client.app.state.sessions.kw["bind"]
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+#: every route an analyst can reach a job by, or its ledger rows: (method, path)
+ROUTES = [
+    ("GET", "/v1/jobs/{job}"),
+    ("GET", "/v1/jobs"),
+    ("GET", "/v1/jobs/{job}/trials"),
+    ("GET", "/v1/jobs/{job}/report.png"),
+    ("GET", "/v1/jobs/{job}/model"),
+    ("GET", "/v1/datasets/{dataset}/budget"),
+    ("POST", "/v1/jobs/{job}/cancel"),
+]
+
+
+def handling(svc: Service, cluster: Cluster, method: str, path: str) -> dict[str, Any]:
+    """What the service does for one analyst request: its answer, the SQL it runs and the
+    orchestrator calls it makes."""
+    del cluster.calls[:]
+    with statements(svc) as sql:
+        r = svc.client.request(method, path, headers=svc.analyst)
+    return {"status": r.status_code, "body": r.content, "sql": sql, "ray": list(cluster.calls)}
+
+
+def random_stopping_spec(
+    spec: Callable[..., dict[str, Any]], dataset: int, accounting: str, hold: bool
+) -> dict[str, Any]:
+    if accounting == "lt":
+        return lt_spec(spec, dataset, hold_release=hold)
+    body = spec(dataset, epsilon=2.0, accounting="ps", mean=3, eta=1, hold_release=hold)
+    body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
+    return body
+
+
+@pytest.mark.parametrize("trial_zero", ["ended", "running"])
+@pytest.mark.parametrize("accounting", ["lt", "ps"])
+def test_held_job_reads_do_the_same_work_before_and_after_its_end(
+    fresh, spec, monkeypatch, accounting, trial_zero
+):
+    """Attack (issue 39, finding 4): reading a running job asked Ray, reading an ended one
+    did not — the response time showed the end that ``hold_release`` hides. Every analyst
+    route must answer the same, with the same SQL and no orchestrator call, before the job
+    ends and after (while held): after trial 0 (released, then), or during it (the job
+    fails, which ends trial 0's attempt)."""
+    cluster = Cluster()
+    svc = fresh("work", cluster)
+    job_id = svc.submit(random_stopping_spec(spec, svc.dataset, accounting, hold=True))
+    held = visibility.now()  # before the job starts: before its hold ends, whatever K
+    monkeypatch.setattr(visibility, "now", lambda: held)
+    set_state(svc, job_id, JobState.RUNNING)
+    if trial_zero == "ended":
+        run_trial(svc, job_id, 0, {"optimizer.lr": 0.05}, 0.5)
+        run_trial(svc, job_id, 1, BEST, BEST_SCORE)
+    else:
+        with svc.session() as session:
+            start_attempt(session, job_id, 0, BEST)
+    routes = [(m, path.format(job=job_id, dataset=svc.dataset)) for m, path in ROUTES]
+    running = [handling(svc, cluster, *route) for route in routes]
+    if trial_zero == "ended":
+        release(svc, job_id, 1)
+    else:
+        set_state(svc, job_id, JobState.FAILED)
+    cluster.state = JobState.SUCCEEDED
+    ended = [handling(svc, cluster, *route) for route in routes]
+    for route, before, after in zip(routes, running, ended, strict=True):
+        assert before["ray"] == after["ray"] == [], route
+        assert before == after, route
+
+
+@pytest.mark.parametrize("accounting", ["lt", "ps"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_analysts_reads_never_ask_ray(fresh, spec, accounting, hold):
+    """An analyst's read of a random-stopping job asks the orchestrator nothing; an
+    operator's still does (and records what it hears); an rdp job's owner's too."""
+    cluster = Cluster()
+    svc = fresh("ray", cluster)
+    job_id = svc.submit(random_stopping_spec(spec, svc.dataset, accounting, hold))
+    set_state(svc, job_id, JobState.RUNNING)
+    run_trial(svc, job_id, 0, BEST, BEST_SCORE)
+    for method, path in ROUTES[:-1]:  # a cancel asks Ray to stop the job
+        route = path.format(job=job_id, dataset=svc.dataset)
+        assert handling(svc, cluster, method, route)["ray"] == []
+    del cluster.calls[:]
+    cluster.state = JobState.FAILED
+    r = svc.client.get(f"/v1/jobs/{job_id}", headers=svc.operator)
+    assert cluster.calls == ["status"] and r.json()["status"] == "failed"
+
+    fixed = svc.submit(spec(svc.dataset, epsilon=0.5))
+    cluster.state = JobState.RUNNING
+    assert handling(svc, cluster, "GET", f"/v1/jobs/{fixed}")["ray"] == ["status"]
+
+
+def test_the_poller_shows_a_held_end_once_the_hold_passed(fresh, spec, monkeypatch):
+    """With analysts' reads not asking Ray, a job whose Ray job died without its runner's end
+    call is settled by the service's poller; the analyst sees it ``failed`` once the hold
+    passed (``running`` before)."""
+    cluster = Cluster()
+    svc = fresh("poll", cluster, poll_s=0.02)
+    job_id = svc.submit(lt_spec(spec, svc.dataset, hold_release=True))
+    eventually(lambda: _status(svc, job_id) == JobState.RUNNING)  # the poller heard it
+    run_trial(svc, job_id, 0, BEST, BEST_SCORE)
+    cluster.state = JobState.FAILED
+    eventually(lambda: _status(svc, job_id) == JobState.FAILED)
+    read = f"/v1/jobs/{job_id}"
+    with svc.session() as session:
+        until = visibility.hold_until(session.get(Job, job_id))
+    assert until is not None
+    monkeypatch.setattr(visibility, "now", lambda: until - timedelta(microseconds=1))
+    assert svc.client.get(read, headers=svc.analyst).json()["status"] == "running"
+    monkeypatch.setattr(visibility, "now", lambda: until)
+    assert svc.client.get(read, headers=svc.analyst).json()["status"] == "failed"
+
+
+def _status(svc: Service, job_id: int) -> str:
+    with svc.session() as session:
+        return session.get(Job, job_id).status
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_runner_holds_as_long_as_the_analyst_view(fresh, spec, monkeypatch):
+    """``GET /internal/v1/jobs/{id}/hold``: the seconds until the analyst may see the end
+    (``visibility.hold_until``), by the control plane's clock; 0 after, and for a job that
+    does not hold."""
+    cluster = Cluster()
+    svc = fresh("hold-api", cluster)
+    held = svc.submit(lt_spec(spec, svc.dataset, hold_release=True))
+    free = svc.submit(lt_spec(spec, svc.dataset))
+    for job_id in (held, free):
+        set_state(svc, job_id, JobState.RUNNING)
+        run_trial(svc, job_id, 0, BEST, BEST_SCORE)
+
+    def hold_s(job_id: int) -> float:
+        token = {"Authorization": f"Bearer {cluster.tokens[job_id]}"}
+        r = svc.client.get(f"/internal/v1/jobs/{job_id}/hold", headers=token)
+        assert r.status_code == 200, r.text
+        return r.json()["seconds"]
+
+    with svc.session() as session:
+        until = visibility.hold_until(session.get(Job, held))
+    assert until is not None
+    monkeypatch.setattr(visibility, "now", lambda: until - timedelta(seconds=7.5))
+    assert hold_s(held) == 7.5 and hold_s(free) == 0
+    monkeypatch.setattr(visibility, "now", lambda: until + timedelta(seconds=1))
+    assert hold_s(held) == 0
+    other = {"Authorization": f"Bearer {cluster.tokens[free]}"}
+    assert svc.client.get(f"/internal/v1/jobs/{held}/hold", headers=other).status_code == 404
