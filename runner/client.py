@@ -36,6 +36,11 @@ class AttemptRefused(Exception):
     """The job's reservation does not cover this attempt: it must not touch data."""
 
 
+def _finite_or_null(value: Any) -> Any:
+    """``value``, or None where it is a float that JSON cannot carry (NaN, ±inf)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class ControlPlane:
     """Calls for one job, authenticated by its token.
 
@@ -100,9 +105,11 @@ class ControlPlane:
         return int(response.json()["attempt"])
 
     def progress(self, attempt: int, steps: int, metrics: list[dict[str, Any]]) -> None:
-        self._call(
-            "POST", f"/attempts/{attempt}/progress", json={"steps": steps, "metrics": metrics}
-        )
+        """Record metric rows; a value that is not a finite number is sent as null (JSON has no
+        NaN or ±inf): a value computed on private data must not be able to fail the call, and
+        with it the trial (docs/design.md, invariant 13)."""
+        rows = [{k: _finite_or_null(v) for k, v in row.items()} for row in metrics]
+        self._call("POST", f"/attempts/{attempt}/progress", json={"steps": steps, "metrics": rows})
 
     def finish(
         self,
@@ -136,6 +143,10 @@ class ControlPlane:
         """Settle the job; what it was charged: ε of its charges composed, at its δ."""
         charged = self._call("POST", "/end", json={"state": state, "error": error}).json()
         return float(charged["epsilon"]), float(charged["delta"])
+
+    def hold_left(self) -> float:
+        """Seconds the job still keeps its cluster resources (``privacy.hold_release``)."""
+        return float(self._call("GET", "/hold").json()["seconds"])
 
 
 class Progress:

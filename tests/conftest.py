@@ -79,3 +79,15 @@ def bench() -> Callable[[str], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """A 2-core machine shared with other jobs runs small steps faster on one torch thread
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

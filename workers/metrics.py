@@ -7,6 +7,7 @@ mechanism below, whose RDP (``gaussian_rdp(noise)``) is part of the trial's cost
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,10 @@ from workers.dp.randomness import SecureStream
 
 @dataclass(frozen=True)
 class Evaluation:
-    loss: float
+    loss: float | None  # mean cross-entropy; None where some example's logits are not finite
     correct: int
     total: int
-    predictions: Tensor
+    predictions: Tensor  # -1 where an example's logits are not finite
 
     @property
     def accuracy(self) -> float:
@@ -30,15 +31,23 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> Evaluation:
+    """Loss, predictions and correct count of ``model`` on ``(x, y)``, total over the data
+    (docs/design.md, invariant 13): a registered record may hold a feature of 3e38, which can
+    drive a logit beyond float32's range or to NaN. Such an example predicts no class (-1,
+    counted wrong), so the count stays a count of examples (the sensitivity-1 statistic of
+    :func:`noisy_accuracy`); the loss is summed in float64 from float64 logits, where every
+    finite float32 logit gives a finite term, and is None (JSON null) when an example's logits
+    are not finite: never NaN or ±inf, which no report could carry."""
     model.eval()
     loss, predictions = 0.0, []
     for start in range(0, len(y), batch_size):
-        out = model(x[start : start + batch_size])
+        out = model(x[start : start + batch_size]).double()
         loss += float(F.cross_entropy(out, y[start : start + batch_size], reduction="sum"))
-        predictions.append(out.argmax(1))
+        predictions.append(out.argmax(1).where(out.isfinite().all(1), -1))
     model.train()
     pred = torch.cat(predictions) if predictions else y.new_zeros(0)
-    return Evaluation(loss / max(len(y), 1), int((pred == y).sum()), len(y), pred)
+    mean = loss / max(len(y), 1) if math.isfinite(loss) else None
+    return Evaluation(mean, int((pred == y).sum()), len(y), pred)
 
 
 def noisy_accuracy(

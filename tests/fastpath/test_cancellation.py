@@ -16,7 +16,6 @@ pass only thanks to the rounding guard of ``workers.dp.ghost.layers.positions_sq
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,13 +31,7 @@ CANDIDATES = 128
 CLIPPERS = {"general": general.clipped_grad_sum, "fast": ghost.clipped_grad_sum}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """A 2-core machine shared with other jobs runs these small steps faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def output_gradient_loss(out: Tensor, target: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,13 +54,7 @@ STYLES_OF = {"resnet18": ["layer_wise", "groups"]}
 CLEAN, HOSTILE = [0, 2, 6, 7], {"nan": 1, "inf": 3, "huge": 4, "tiny": 5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """A 2-core machine shared with other jobs runs these small steps faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(name: str) -> nn.Module:
