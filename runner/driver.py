@@ -127,7 +127,7 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
             {"cpu": resources["cpu"], "gpu": resources["gpu"]},
         ),
         param_space=param_space(ctx),
-        tune_config=tune.TuneConfig(reuse_actors=reuse),
+        tune_config=tune_config(ctx, reuse, proxy),
         run_config=tune.RunConfig(
             name=f"dptune-job-{ctx.job_id}" + ("-proxy" if proxy else ""),
             storage_path=str(ctx.data_dir / "ray_results"),
@@ -139,6 +139,18 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     )
     tuner.fit()
     return trials.rows
+
+
+def tune_config(ctx: JobContext, reuse: bool, proxy: bool = False) -> tune.TuneConfig:
+    """How Tune schedules the trials. A job that holds its release runs them one at a time
+    in one reused process, whose last trial waits for the hold's end (:func:`runner.job.hold`):
+    from its first trial to the hold's end it then keeps one trial's CPUs and GPUs whatever
+    K, as the hold times its trials, run one after another (:func:`core.hold.hold_until`).
+    Run side by side, K trials would take K trials' resources, and free them when K is
+    reached: another job's start and attempt times would tell K (invariant 11)."""
+    if ctx.holds_release and not proxy:
+        return tune.TuneConfig(reuse_actors=True, max_concurrent_trials=1)
+    return tune.TuneConfig(reuse_actors=reuse)
 
 
 def _search_proxy(ctx: JobContext, reuse: bool) -> JobContext:
@@ -191,9 +203,13 @@ def model_refusal(job: dict[str, Any]) -> str | None:
     except ValueError as error:
         return str(error)
     report = inspect_model(model, shape, classes, job["spec"]["method"]["per_sample"])
-    return (
-        f"model.name: DP-SGD cannot train this model: {report.reason}" if report.refused else None
-    )
+    if report.refused:
+        return f"model.name: DP-SGD cannot train this model: {report.reason}"
+    admitted = planned.get("state")
+    if admitted is not None and report.model_dump(mode="json")["state"] != admitted:
+        # its upload would be refused
+        return "model.name: the model built here holds other tensors than the one admitted"
+    return None
 
 
 def run_job(job_id: int, settings: RunnerSettings) -> str:

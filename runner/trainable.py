@@ -96,9 +96,8 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     }
     path = ctx.weights_path(index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in outcome.model.state_dict().items()}, str(path)
-    )
+    # the initial state with the trained parameters, never the model's own state (invariant 14)
+    save_file(outcome.released, str(path))
     api.finish(
         attempt, "succeeded", result["steps"], result["score"]["value"], result["thresholds"]
     )

@@ -41,6 +41,7 @@ from workers.dp.randomness import SecureStream, TrialRandomness, spare_core
 from workers.dp.sampling import poisson_batches
 from workers.metrics import evaluate, group_accuracy, noisy_accuracy
 from workers.models import build_model
+from workers.release import InitialState, released_state
 
 #: Training metrics are computed on at most this many training examples per epoch.
 TRAIN_EVAL_EXAMPLES = 4096
@@ -51,8 +52,19 @@ EpochCallback = Callable[[list[dict[str, Any]]], None]
 
 @dataclass
 class TrialOutcome:
+    """The trial's result and trained model, whose state other than its trainable parameters
+    may hold data (operator-side only), and the state it had when built: what is released is
+    :attr:`released`, never ``model.state_dict()`` (docs/design.md, invariant 14)."""
+
     result: dict[str, Any]
     model: nn.Module
+    initial: InitialState
+
+    @property
+    def released(self) -> dict[str, torch.Tensor]:
+        """The weights to release: the initial state with the trained parameters
+        (:func:`workers.release.released_state`), on the CPU."""
+        return released_state(self.initial)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,7 +91,11 @@ def _epoch_metrics(
 ) -> list[dict[str, Any]]:
     """Training metrics on at most TRAIN_EVAL_EXAMPLES examples spread evenly over the
     training set: not its first ones, which in a dataset stored by class (heavy_tail) would
-    leave the rare classes' groups out. Evaluated ``batch_size`` examples at a time."""
+    leave the rare classes' groups out. Evaluated ``batch_size`` examples at a time.
+
+    Total over the data (docs/design.md, invariant 13): every value is a finite number or None
+    (a loss where some example's logits are not finite, :func:`workers.metrics.evaluate`), so
+    that a planted record cannot make a row that no report can carry."""
     every = -(-data.size // TRAIN_EVAL_EXAMPLES)
     x, y = data.x[::every], data.y[::every]
     train = evaluate(model, x, y, batch_size)
@@ -198,8 +214,9 @@ def run_trial(
         x_val=data.x_val.to(device, copy=True),
         y_val=data.y_val.to(device, copy=True),
     )  # type: ignore[union-attr]
-    torch.manual_seed(randomness.init_seed())
+    randomness.seed_torch(device)
     model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    initial = InitialState.capture(model)  # before it sees data: what the release starts from
     engine = build_engine(cfg, model, privacy, randomness)
 
     thresholds, metrics, epoch = [], [], 0
@@ -210,6 +227,7 @@ def run_trial(
     physical = PhysicalBatches(cfg.physical_batch_size, adapt=device.type == "cpu")
     for t, indices in enumerate(batches):
         chunks = [(data.x[i], data.y[i]) for i in physical.split(indices.to(device))]
+        initial.restore(model)
         with physical.measure(len(indices)):
             thresholds.append(engine.step(chunks, t).threshold)
         if on_step:
@@ -218,12 +236,14 @@ def run_trial(
         ended = int((t + 1) * privacy.sample_rate + 1e-9)
         if ended > epoch or t + 1 == privacy.steps:
             epoch = max(ended, epoch + 1)
+            initial.restore(model)
             rows = _epoch_metrics(model, data, epoch, physical.size)
             metrics += rows
             if on_epoch:
                 on_epoch(rows)
 
     trained = time.perf_counter()
+    initial.restore(model)  # the score, too, from the state as built but for the DP updates
     epsilon, order = privacy.epsilon(cfg.delta)
     result = {
         "config": cfg.model_dump(mode="json"),
@@ -258,7 +278,7 @@ def run_trial(
         },
         "device": str(device),
     }
-    return TrialOutcome(result, model)
+    return TrialOutcome(result, model, initial)
 
 
 def error_message(err: ValidationError) -> str:

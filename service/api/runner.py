@@ -6,9 +6,10 @@ operator key).
 A token is good for its own job only (any other job answers 404) and for these calls only:
 read the job's trial contract, mark the job started, start an attempt (charged before it
 touches data; 409 when the reservation does not cover it), record progress, finish an attempt,
-mark a dead trial's open attempts failed, upload the selected trial's weights, and report the
-job's end. None of them can reduce a charge: attempts only add charges, and settlement releases
-only the reservation of what never ran, computed here from the recorded attempts.
+mark a dead trial's open attempts failed, upload the selected trial's weights, ask how long
+to hold the job's resources, and report the job's end. None of them can reduce a charge:
+attempts only add charges, and settlement releases only the reservation of what never ran,
+computed here from the recorded attempts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hmac
 import math
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -24,10 +26,10 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
-from core.config import DatasetConfig
+from core.config import DatasetConfig, StateTensor
 from core.shapes import plan_shapes, shape_of
 from core.spec import MAX_ID, JobSpec, Scalar
-from service import attempts, ledger, lifecycle
+from service import attempts, ledger, lifecycle, visibility
 from service.api.deps import Id, SessionDep, SettingsDep
 from service.api.errors import COMMON, field_error, responses
 from service.auth import digest
@@ -222,14 +224,38 @@ def _best_trial(job: Job) -> Trial | None:
     return JobSpec.model_validate(job.spec).selection.best(done)
 
 
+def _not_the_model(tensors: dict[str, np.ndarray], report: dict[str, Any] | None) -> str | None:
+    """Why uploaded weights are not the admitted model's state, if they are not: a release
+    holds the state the factory built, with the trained parameters (``workers.release``),
+    never a tensor the model added or one of another shape or type. A built-in model has no
+    report: the engine's own code builds its state; a job admitted before the layout was
+    recorded has none in its report."""
+    if report is None or report.get("state") is None:
+        return None
+    layout = {n: StateTensor.model_validate(t) for n, t in report["state"].items()}
+    extra, missing = sorted(tensors.keys() - layout.keys()), sorted(layout.keys() - tensors.keys())
+    if extra or missing:
+        return f"not the model's tensors: {extra} are not in its state, {missing} are missing"
+    for name, want in layout.items():
+        got = StateTensor(shape=list(tensors[name].shape), dtype=tensors[name].dtype.name)
+        if got != want:
+            return (
+                f"tensor {name!r} is {got.dtype} {got.shape}, the model's is "
+                f"{want.dtype} {want.shape}"
+            )
+    return None
+
+
 @router.put("/trials/{index}/model", status_code=status.HTTP_201_CREATED, responses=responses(409))
 async def upload_model(
     job_id: RunnerJob, index: Index, request: Request, session: SessionDep, settings: SettingsDep
 ) -> Response:
     """Release the weights of trial ``index`` (safetensors bytes). Only the best finished trial
     by its DP score may be released, once: the runner cannot pick another, and the first
-    upload stands (a retried upload changes nothing). The file's metadata is written here —
-    the trial config without the dataset part, and the dataset's public shape."""
+    upload stands (a retried upload changes nothing). An imported model's weights must be
+    exactly the state its factory built at admission, tensor for tensor (invariant 14). The
+    file's metadata is written here — the trial config without the dataset part, and the
+    dataset's public shape."""
     job = _job(session, job_id)
     best = _best_trial(job)
     if best is None or best.index != index:
@@ -242,6 +268,8 @@ async def upload_model(
         tensors = load_safetensors(await request.body())
     except (SafetensorError, ValueError) as error:
         raise field_error("body", f"not a safetensors file: {error}") from None
+    if (unlike := _not_the_model(tensors, job.plan.get("model"))) is not None:
+        raise field_error("body", unlike)
     dataset = session.get(Dataset, job.dataset_id)
     assert dataset is not None
     config = (
@@ -273,3 +301,17 @@ def end(job_id: RunnerJob, body: EndIn, session: SessionDep) -> EndOut:
         )
     lifecycle.apply_state(session, job_id, JobState(body.state), body.error)
     return EndOut(epsilon=ledger.job_charged(session, job), delta=job.plan["delta"])
+
+
+class HoldOut(BaseModel):
+    seconds: float  # how much longer the job keeps its cluster resources; 0: no longer
+
+
+@router.get("/hold")
+def hold(job_id: RunnerJob, session: SessionDep) -> HoldOut:
+    """How much longer the job's runner keeps its cluster resources after its last trial: a
+    random-stopping job that holds its release keeps them as long as it looks ``running`` to
+    its analyst (:func:`service.visibility.hold_left`), so that no other job's start or
+    attempt times tell its K (invariant 11). Seconds from now, by the control plane's clock
+    alone: the runner's nodes need not agree with it."""
+    return HoldOut(seconds=visibility.hold_left(_job(session, job_id)).total_seconds())

@@ -3,13 +3,14 @@ because ``tests/models_pkg`` is on the path (``sys.path`` in the tests, ``PYTHON
 Ray head in tests/e2e). Each is ``factory(input_shape=..., num_classes=..., **options)``.
 
 ``group_norm_cnn`` and ``recurrent`` are fit for DP-SGD; the others each break one rule of
-``workers.models.inspect``.
+``workers.models.inspect``, and ``recorder`` writes its inputs' mean into state the DP optimizer
+does not update (``workers.release``).
 """
 
 from __future__ import annotations
 
 import math
-from os import getpid  # imported, not defined here: not a factory of this module
+from os import getpid, getppid  # imported, not defined here: not factories of this module
 
 import torch
 from torch import Tensor, nn
@@ -124,6 +125,49 @@ def running_mean(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), RunningMean(features), nn.Linear(features, num_classes))
 
 
+class Recorder(nn.Module):
+    """Writes the mean of its inputs into its own state in the forward pass, outside the
+    optimizer, and passes them on unchanged. ``keep`` says where: a frozen ``Parameter``
+    (``frozen``), a buffer (``buffer``), a buffer in training mode only (``train_buffer``), a
+    buffer only on inputs holding an exact zero, which a dummy batch of standard normals never
+    does (``sparse_buffer``), a buffer registered in the first forward pass (``later``), or a plain
+    tensor attribute (``attribute``). ``writes`` counts the forward passes that wrote."""
+
+    def __init__(self, features: int, keep: str) -> None:
+        super().__init__()
+        self.keep, self.writes = keep, 0
+        if keep == "frozen":
+            self.stat = nn.Parameter(torch.zeros(features), requires_grad=False)
+        elif keep in ("buffer", "train_buffer", "sparse_buffer"):
+            self.register_buffer("stat", torch.zeros(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean = x.detach().mean(0)
+        if self.keep == "attribute":
+            self.stat = mean
+        elif self.keep == "later" and "stat" not in self._buffers:
+            self.register_buffer("stat", mean.clone())
+        elif self._records(x):
+            self.stat.data.copy_(mean)
+        else:
+            return x
+        self.writes += 1
+        return x
+
+    def _records(self, x: Tensor) -> bool:
+        if self.keep == "train_buffer":
+            return self.training
+        if self.keep == "sparse_buffer":
+            return bool((x == 0).any())
+        return True
+
+
+def recorder(input_shape: tuple[int, ...], num_classes: int, keep: str = "frozen") -> nn.Module:
+    """A linear model that keeps the mean of its inputs as ``1.stat`` (``Recorder``)."""
+    features = math.prod(input_shape)
+    return nn.Sequential(nn.Flatten(), Recorder(features, keep), nn.Linear(features, num_classes))
+
+
 def wrong_output(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes + 1))
 
@@ -136,6 +180,6 @@ def skewed(input_shape: tuple[int, ...], num_classes: int, planner_pid: int) -> 
     """``group_norm_cnn`` in the process ``planner_pid`` (the control plane of a test),
     ``batch_norm_cnn`` in every other one: the package installed on the workers differs from
     the control plane's."""
-    if getpid() == planner_pid:
+    if planner_pid in (getpid(), getppid()):  # the control plane inspects in a child
         return group_norm_cnn(input_shape, num_classes)
     return batch_norm_cnn(input_shape, num_classes)

@@ -13,12 +13,17 @@ import asyncio
 import hashlib
 import io
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from safetensors.numpy import load as load_tensors
+from safetensors.numpy import save as save_tensors
 from sqlalchemy.orm import Session
 
 from core.config import TrialConfig
@@ -27,11 +32,12 @@ from service.api.datasets import UPLOAD_PATHS, UPLOADS, _install
 from service.api.limits import BodyLimit
 from service.api.runner import dataset_config
 from service.db import Dataset, create_db_engine
+from service.orchestration import JobState, Submission
 from service.settings import Settings
 from workers.data import content_sha256, load_dataset
 from workers.trial import run_trial
 
-from .conftest import OPERATOR_KEY, Api, bearer
+from .conftest import OPERATOR_KEY, Api, bearer, make_spec
 
 
 def _frame(n: int = 120, seed: int = 0) -> pd.DataFrame:
@@ -357,3 +363,87 @@ def test_upload_bodies_reach_the_handler_as_they_arrive() -> None:
     assert run([40, 40, 20]) == 200 and seen == [40, 40, 20]
     seen.clear()
     assert run([40, 40, 40]) == 413 and seen == [40, 40]  # the third never reaches it
+
+
+# The runner's upload of released weights (``service.api.runner.upload_model``): an imported
+# model's weights are exactly the state its factory built at admission (``plan.model.state``,
+# docs/design.md, invariant 14), or nothing is released.
+
+RECORDER = {"name": "dptune_test_models:recorder", "options": {"keep": "sparse_buffer"}}
+#: the state of ``recorder`` on digits [1, 8, 8] → 10 classes, as the factory builds it
+BUILT = {
+    "1.stat": np.zeros(64, np.float32),
+    "2.weight": np.ones((10, 64), np.float32),
+    "2.bias": np.ones(10, np.float32),
+}
+
+
+@dataclass
+class KeptTokens:
+    """An orchestrator that keeps the runner token of each job it is handed (the Ray path is
+    in tests/e2e)."""
+
+    tokens: dict[int, str] = field(default_factory=dict)
+    dashboard_url: str | None = None
+
+    def submit(self, submission: Submission) -> None:
+        self.tokens[submission.job_id] = submission.token
+
+    def status(self, job_id: int) -> JobState:
+        return JobState.QUEUED
+
+    def cancel(self, job_id: int) -> None:
+        pass
+
+    def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
+        return {}
+
+
+@pytest.fixture
+def own_model_job(monkeypatch, tmp_path, database_url) -> Iterator[tuple[Api, int, str, dict]]:
+    """A finished job of an allow-listed model: the API, the job, its runner's path and
+    headers (its one trial succeeded)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "models_pkg"))
+    monkeypatch.setenv("DPTUNE_MODEL_IMPORTS", '["dptune_test_models"]')
+    settings = Settings(data_dir=tmp_path, database_url=database_url, operator_key=OPERATOR_KEY)
+    orchestrator = KeptTokens()
+    with TestClient(create_app(settings, orchestrator)) as client:
+        api = Api(client, bearer(OPERATOR_KEY))
+        spec = make_spec(api.register()["id"]) | {"model": RECORDER, "search_space": {}}
+        job = client.post("/v1/jobs", headers=api.operator, json=spec)
+        assert job.status_code == 202, job.text
+        assert job.json()["plan"]["model"]["state"].keys() == BUILT.keys()
+        job_id = job.json()["id"]
+        base, auth = f"/internal/v1/jobs/{job_id}", bearer(orchestrator.tokens[job_id])
+        attempt = client.post(f"{base}/attempts", headers=auth, json={"index": 0, "params": {}})
+        finished = {"status": "succeeded", "steps": 3, "score": 0.5}
+        path = f"{base}/attempts/{attempt.json()['attempt']}/finish"
+        assert client.post(path, headers=auth, json=finished).status_code == 204
+        yield api, job_id, base, auth
+
+
+def _unlike_the_model() -> list[tuple[str, dict[str, np.ndarray]]]:
+    extra = BUILT | {"1.seen": np.full(64, 3906, np.float32)}  # a buffer added in training
+    missing = {k: v for k, v in BUILT.items() if k != "1.stat"}
+    reshaped = BUILT | {"1.stat": np.zeros((8, 8), np.float32)}
+    retyped = BUILT | {"2.bias": np.ones(10, np.float64)}
+    return [
+        ("['1.seen'] are not in its state", extra),
+        ("[] are not in its state, ['1.stat'] are missing", missing),
+        ("tensor '1.stat' is float32 [8, 8], the model's is float32 [64]", reshaped),
+        ("tensor '2.bias' is float64 [10], the model's is float32 [10]", retyped),
+    ]
+
+
+def test_weights_that_are_not_the_admitted_models_state_are_refused(own_model_job) -> None:
+    api, job, base, auth = own_model_job
+    for message, tensors in _unlike_the_model():
+        r = api.client.put(f"{base}/trials/0/model", headers=auth, content=save_tensors(tensors))
+        assert r.status_code == 422, r.text
+        assert r.json()["errors"][0]["field"] == "body" and message in r.json()["detail"]
+        released = api.client.get(f"/v1/jobs/{job}/model", headers=api.operator)
+        assert released.status_code == 409  # nothing released
+    r = api.client.put(f"{base}/trials/0/model", headers=auth, content=save_tensors(BUILT))
+    assert r.status_code == 201, r.text
+    released = api.client.get(f"/v1/jobs/{job}/model", headers=api.operator)
+    assert load_tensors(released.content).keys() == BUILT.keys()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from core.config import ModelConfig
+from core.config import ModelConfig, StateTensor
 from workers.dp.ghost import NOT_PER_SAMPLE
 from workers.models import build_model, inspect_model
 
@@ -78,6 +78,42 @@ def test_unfit_models_are_refused(factory: str, module: str, reason: str) -> Non
     assert [r.module for r in report.refused] == [module]
     assert reason in report.refused[0].reason
     assert reason in report.reason
+
+
+@pytest.mark.parametrize(
+    ("keep", "refusal"),
+    [
+        ("frozen", "frozen parameter '1.stat' changes"),
+        ("buffer", "buffer '1.stat' changes"),
+        ("train_buffer", "buffer '1.stat' changes"),
+        ("later", "buffer '1.stat' appears"),
+    ],
+)
+def test_state_the_model_writes_itself_is_refused(keep: str, refusal: str) -> None:
+    """Issue 39, finding 6: a frozen parameter holding the inputs' mean passed, as only
+    buffers were compared. The release resets such state whatever admission says
+    (``workers.release``); refusing it tells the operator early."""
+    report = own("recorder", keep=keep)
+    assert [r.module for r in report.refused] == ["1"]
+    assert f"{refusal} in a training step" in report.reason
+
+
+def test_state_written_only_on_some_data_or_outside_the_state_passes() -> None:
+    """A dummy batch never holds an exact zero, and a plain attribute is no state: admission
+    cannot see these writes, which is why the release is built from an allow-list."""
+    assert own("recorder", keep="sparse_buffer").refused == []
+    assert own("recorder", keep="attribute").refused == []
+
+
+def test_the_report_holds_the_state_as_built() -> None:
+    """What a release of the model holds, name for name (checked again at upload); a buffer
+    registered in the first forward pass is not part of it."""
+    assert own("recorder", keep="frozen").state == {
+        "1.stat": StateTensor(shape=[64], dtype="float32"),
+        "2.weight": StateTensor(shape=[10, 64], dtype="float32"),
+        "2.bias": StateTensor(shape=[10], dtype="float32"),
+    }
+    assert set(own("recorder", keep="later").state) == {"2.weight", "2.bias"}
 
 
 def test_a_shared_layer_whose_input_looks_per_sample_is_caught_by_its_gradients() -> None:
@@ -169,3 +205,38 @@ def test_model_config_keeps_builtins_and_accepts_import_paths() -> None:
         "build",
     )
     assert ModelConfig(name="logreg", options={"input_shape": 1}).options  # built-ins check later
+
+
+class _Raising(torch.nn.Module):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.linear = where, torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "forward":
+            raise ValueError("token=s3cr3t read by the model")
+        out = self.linear(x.flatten(1))
+        if self.where == "backward":
+            return out + _Boom.apply(out)
+        return out
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("token=s3cr3t read by the model")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_refusal_names_the_models_exception_but_never_quotes_it(where, caplog) -> None:
+    """The refusal reaches the analyst: it names the exception's type, never its text, which
+    the model's code wrote and may quote what it read (issue 39, finding 9)."""
+    report = inspect_model(_Raising(where), DIGITS, 10, "general")
+    assert report.refused, report
+    assert "s3cr3t" not in report.reason
+    assert ("ValueError" if where == "forward" else "RuntimeError") in report.reason
+    assert "s3cr3t" in caplog.text  # the operator's log keeps it

@@ -12,8 +12,11 @@ the data reaches the weights. So a model is refused when
 - it is random: dropout, or a forward pass that gives different outputs for the same batch. The
   general path's ``vmap`` refuses random operations, and the built-in models have none either,
   so that an example's per-sample gradient is a function of the parameters;
-- a buffer changes in a training step (running statistics): it would be released with the
-  weights without noise;
+- its state other than the trainable parameters (a buffer, a frozen parameter, any other
+  ``state_dict`` entry) changes in a training step, or an entry appears: the model's own code
+  writes it, perhaps from the data (running statistics). The release resets such state to its
+  initial value whatever happens (``workers.release``); refusing it here tells the operator
+  early that it would not be released as trained;
 - a module is lazy (its parameters appear only in the first forward pass, after the optimizer
   and the clipping groups were built), or nothing is trainable;
 - its output is not finite logits [B, num_classes];
@@ -29,6 +32,7 @@ boundary is the allow-list of modules jobs may name.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 
@@ -36,10 +40,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from core.config import LayerRoute, ModelReport, PerSamplePath
+from core.config import LayerRoute, ModelReport, PerSamplePath, StateTensor
 from workers.dp import get_clipper
 from workers.dp.clipping import clip_factors, coefficient_fn, sq_norms
 from workers.dp.ghost import NOT_PER_SAMPLE, FallbackWarning
+
+log = logging.getLogger("dptune.inspect")
 
 Shape = tuple[int, ...]
 
@@ -61,16 +67,17 @@ def inspect_model(
     per-sample path. The report's ``refused`` lists what makes it unfit (empty: accepted).
     The model's parameters are left as they were."""
     model.train()
+    layout = _layout(model)
     refused = _structure(model)
     fast: list[LayerRoute] = []
     general: list[LayerRoute] = []
     if not refused:
         x, y = _dummy_batch(input_shape, num_classes)
-        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        state = _untrained_state(model)
         refused = _outputs(model, x, num_classes)
         if not refused:
             fast, general, refused = _gradients(model, x, y, per_sample)
-        refused += _changed_buffers(model, buffers)
+        refused += _changed_state(model, layout, state)
     params = [p for p in model.parameters() if not is_lazy(p)]
     return ModelReport(
         input_shape=list(input_shape),
@@ -81,7 +88,17 @@ def inspect_model(
         fast=fast,
         general=general,
         refused=refused,
+        state=layout,
     )
+
+
+def _layout(model: nn.Module) -> dict[str, StateTensor]:
+    """The ``state_dict`` as built, before any forward pass: what a release holds."""
+    return {
+        name: StateTensor(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+        for name, t in model.state_dict().items()
+        if not is_lazy(t)
+    }
 
 
 def _route(model: nn.Module, module: str, reason: str | None = None) -> LayerRoute:
@@ -129,7 +146,10 @@ def _dummy_batch(input_shape: Shape, num_classes: int) -> tuple[Tensor, Tensor]:
 
 
 def _failure(model: nn.Module, what: str, error: Exception) -> Refusals:
-    return [_route(model, "", f"{what} failed: {type(error).__name__}: {error}")]
+    """The refusal names the exception's type only: its text is the model's code's, which may
+    quote what that code can read; the operator finds it in the log."""
+    log.warning("%s failed", what, exc_info=error)
+    return [_route(model, "", f"{what} failed: {type(error).__name__} (see the operator's log)")]
 
 
 @torch.no_grad()
@@ -258,14 +278,49 @@ def _paths(
     return fast, general
 
 
-def _changed_buffers(model: nn.Module, before: dict[str, Tensor]) -> Refusals:
+def _untrained_state(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of every ``state_dict`` tensor but the trainable parameters'."""
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {n: t.clone() for n, t in model.state_dict().items() if n not in trainable}
+
+
+def _changed_state(
+    model: nn.Module, layout: dict[str, StateTensor], before: dict[str, Tensor]
+) -> Refusals:
+    """What of the state the model writes itself: an untrained tensor that changed, or an
+    entry (a parameter too) that appeared or vanished since the model was built."""
+    after = model.state_dict()
+    verbs = (
+        {n: "vanishes" for n in layout if n not in after}
+        | {n: "changes" for n, t in before.items() if n in after and not _same(after[n], t)}
+        | {n: "appears" for n in after if n not in layout}
+    )
     return [
         _route(
             model,
-            name.rpartition(".")[0],
-            f"buffer {name!r} changes in a training step: it would carry statistics of the data "
-            "into the released weights without noise",
+            _owner(model, name),
+            f"{_kind(model, name)} {name!r} {verb} in a training step: the model writes it, not "
+            "the DP optimizer, so it may hold statistics of the data, and a release would reset "
+            "it to its initial value",
         )
-        for name, buffer in model.named_buffers()
-        if name in before and not torch.equal(buffer, before[name])
+        for name, verb in verbs.items()
     ]
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _kind(model: nn.Module, name: str) -> str:
+    if name in dict(model.named_buffers(remove_duplicate=False)):
+        return "buffer"
+    param = dict(model.named_parameters(remove_duplicate=False)).get(name)
+    if param is None:
+        return "state entry"
+    return "parameter" if param.requires_grad else "frozen parameter"
+
+
+def _owner(model: nn.Module, name: str) -> str:
+    """The module an entry belongs to ("": the model, also for a name no module has now)."""
+    module = name.rpartition(".")[0]
+    return module if module in dict(model.named_modules()) else ""
