@@ -308,7 +308,9 @@ def test_restart_reconciles_a_job_stopped_while_the_service_was_down(start_servi
             {"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
         )["id"]
         spec = small_job(dataset)
-        spec["epochs"] = 30
+        # long enough to be running still when the service has stopped: 30 epochs (674 steps)
+        # took 0.7 s, and the job sometimes ended while the service was stopping
+        spec["epochs"] = 300
         job = first.post("/v1/jobs", spec)
         first.wait(job["id"], until=lambda j: first.get(f"/v1/jobs/{j['id']}/trials") != [])
         orchestrator = first.orchestrator
