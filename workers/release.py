@@ -16,6 +16,7 @@ tensor, which is what the control plane checks an upload against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -41,15 +42,19 @@ class InitialState:
         wherever the tensor registered under a name still has that name's shape and type: run
         before every step and every evaluation, so that what a forward pass wrote into that
         state from some examples never reaches another step's gradients, nor a score."""
-        frozen = self.tensors.keys() - self.trainable.keys()
-        if not frozen:  # the built-in models: nothing but trainable parameters
+        if not self.untrained:  # the built-in models: nothing but trainable parameters
             return
         current = model.state_dict(keep_vars=True)
         with torch.no_grad():
-            for name in frozen:
-                before, now = self.tensors[name], current.get(name)
+            for name, before in self.untrained.items():
+                now = current.get(name)
                 if now is not None and now.shape == before.shape and now.dtype == before.dtype:
                     now.copy_(before)
+
+    @cached_property
+    def untrained(self) -> dict[str, Tensor]:
+        """The initial tensors the DP optimizer never writes: buffers, frozen parameters."""
+        return {n: t for n, t in self.tensors.items() if n not in self.trainable}
 
 
 def released_state(initial: InitialState) -> dict[str, Tensor]:

@@ -44,6 +44,7 @@ from core.config import LayerRoute, ModelReport, PerSamplePath, StateTensor
 from workers.dp import get_clipper
 from workers.dp.clipping import clip_factors, coefficient_fn, sq_norms
 from workers.dp.ghost import NOT_PER_SAMPLE, FallbackWarning
+from workers.release import InitialState
 
 log = logging.getLogger("dptune.inspect")
 
@@ -73,7 +74,7 @@ def inspect_model(
     general: list[LayerRoute] = []
     if not refused:
         x, y = _dummy_batch(input_shape, num_classes)
-        state = _untrained_state(model)
+        state = InitialState.capture(model).untrained
         refused = _outputs(model, x, num_classes)
         if not refused:
             fast, general, refused = _gradients(model, x, y, per_sample)
@@ -276,12 +277,6 @@ def _paths(
         else:
             fast.append(_route(model, name))
     return fast, general
-
-
-def _untrained_state(model: nn.Module) -> dict[str, Tensor]:
-    """A copy of every ``state_dict`` tensor but the trainable parameters'."""
-    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    return {n: t.clone() for n, t in model.state_dict().items() if n not in trainable}
 
 
 def _changed_state(
