@@ -161,6 +161,13 @@ def small_job(dataset: int, accounting: str = "rdp", **privacy: Any) -> dict[str
     }
 
 
+def long_job(dataset: int) -> dict[str, Any]:
+    """:func:`small_job` long enough to be running still seconds after its first trial starts
+    (its trials run 6,740 steps; 30 epochs took 0.7 s, and such a job sometimes ended before a
+    test could stop the service or kill the head under it)."""
+    return small_job(dataset) | {"epochs": 300}
+
+
 @pytest.fixture
 def digits(service: Service) -> int:
     return service.post(

@@ -33,7 +33,7 @@ from service.cluster.ray_jobs import namespace
 from service.settings import Settings
 
 from .cluster import _ray_cli, process_tree, token_root
-from .conftest import OPERATOR, Service, small_job
+from .conftest import OPERATOR, Service, long_job, small_job
 from .test_jobs import charged, composed_trials
 
 HOST = "127.0.0.1"
@@ -186,9 +186,7 @@ def test_a_head_killed_under_a_running_job(head: Head, tmp_path) -> None:
         head.start()
     with serving(head, tmp_path / "data", ray_give_up_s=8.0) as service:
         digits = register(service)
-        spec = small_job(digits)
-        spec["epochs"] = 30
-        job = service.post("/v1/jobs", spec)
+        job = service.post("/v1/jobs", long_job(digits))
         trials = f"/v1/jobs/{job['id']}/trials"
         service.wait(job["id"], until=lambda _: service.get(trials) != [], timeout=120)
 

@@ -26,7 +26,14 @@ from workers.data import load_dataset
 from workers.metrics import evaluate
 from workers.models import build_model
 
-from .conftest import OPERATOR, OPERATOR_ENV, environment, small_job, trial_processes
+from .conftest import (
+    OPERATOR,
+    OPERATOR_ENV,
+    environment,
+    long_job,
+    small_job,
+    trial_processes,
+)
 
 
 def charged(budget: dict) -> list[dict]:
@@ -307,11 +314,7 @@ def test_restart_reconciles_a_job_stopped_while_the_service_was_down(start_servi
             "/v1/datasets",
             {"name": "digits", "source": "builtin:digits", "epsilon": 10.0, "delta": 1e-5},
         )["id"]
-        spec = small_job(dataset)
-        # long enough to be running still when the service has stopped: 30 epochs (674 steps)
-        # took 0.7 s, and the job sometimes ended while the service was stopping
-        spec["epochs"] = 300
-        job = first.post("/v1/jobs", spec)
+        job = first.post("/v1/jobs", long_job(dataset))
         first.wait(job["id"], until=lambda j: first.get(f"/v1/jobs/{j['id']}/trials") != [])
         orchestrator = first.orchestrator
     # the service is down; the operator stops the Ray job from the dashboard
