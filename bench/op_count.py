@@ -10,11 +10,10 @@ does inside (torch's CPU and CUDA kernels of one operation may loop differently)
 
 The DP column is ``fast_torchrng``: the product's step with its noise from torch's generator,
 one operation as on CUDA (where the secure stream keys Philox on the device; on CPU its
-Box–Muller takes a few operations per 2¹⁶ draws). With one torch thread on a machine of two
-cores or more that draw is made ahead on the spare core, outside the count: one operation fewer
-than CUDA's step, which never draws ahead. One caveat: on CPU a
-convolution's per-sample gradients may come from ``_matmul_per_sample`` (a bmm per few
-samples) where CUDA always takes the grouped convolution (one operation).
+Box–Muller takes a few operations per 2¹⁶ draws). Convolutions' per-sample gradients are formed
+as on CUDA, by one grouped convolution (``workers.dp.ghost.layers._grouped_per_sample``): on CPU
+the step may choose batched matmuls over a few samples at a time where those are faster
+(``_Faster``), a CPU-only choice that would count a bmm and a copy per few samples.
 
     python bench/op_count.py                          # mlp cnn transformer logreg, B = 64
     python bench/op_count.py --models resnet18 --batches 16 --top 15
@@ -29,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import step_overhead  # noqa: E402
+
+from workers.dp.ghost import layers as ghost_layers  # noqa: E402
 
 #: operations that make a view of their input: no kernel runs
 VIEWS = frozenset(
@@ -113,9 +115,16 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], dict[str, int]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the other benches; restored for a caller
     try:
-        return _table(args.models, args.batches, args.top)
+        with as_on_cuda():
+            return _table(args.models, args.batches, args.top)
     finally:
         torch.set_num_threads(threads)
+
+
+def as_on_cuda() -> Any:
+    """Every convolution's per-sample gradients by the grouped convolution, as CUDA forms them
+    (the first of ``_Faster``'s candidates), not by the faster way on this CPU."""
+    return mock.patch.object(ghost_layers, "_Faster", lambda candidates: candidates[0])
 
 
 def _table(

@@ -74,7 +74,7 @@ def measure(
         private.step(parts, 0)
         seconds = time.perf_counter() - start
         if private.ahead is not None:  # the next draw, finished untimed (as in step_overhead)
-            private.ahead.result()
+            private.ahead.wait()
         return seconds, minor_faults() - faults
 
     for physical in splits:  # warm-up: first-use set-up of each shape

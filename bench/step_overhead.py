@@ -26,7 +26,7 @@ transient: on CUDA ``torch.cuda.max_memory_allocated`` (reset after the fourth s
 the process's peak resident set during those steps (VmHWM, reset through
 ``/proc/self/clear_refs`` after the fourth step) minus the resident set after every import and
 a throwaway computation that sets up the math libraries, taken before the model is built
-(their one-time set-up is no column's cost), plus the noise process's own peak over the same
+(their one-time set-up is no column's cost), plus the noise child's own peak over the same
 steps above its private memory before its first draw (its interpreter and libraries are not
 counted, as this process's imports are not; the gradient buffer the two share counts once,
 here; the sum of the two peaks bounds the peak of the two together), and minus
@@ -84,7 +84,7 @@ MODELS: dict[str, tuple[tuple[int, ...], int, dict]] = {
 }
 # Columns that hold every per-sample gradient at once (B x #params floats).
 MATERIALIZING = {"general", "opacus_hooks"}
-# The noise process's private memory before its first draw, by pid (``_noise_process_peak_kb``)
+# The noise child's private memory before its first draw, by pid (``_noise_child_peak_kb``)
 _noise_idle_kb: dict[int, int] = {}
 # Steps of a column in a row when columns take turns (``interleaved``); the first is not timed.
 ROUND_STEPS = 3
@@ -112,12 +112,10 @@ def _proc_kb(field: str, pid: int | str = "self") -> int:
     raise RuntimeError(f"/proc/{pid}/status has no {field}")
 
 
-def _noise_process_pid() -> int | None:
-    """The pid of this process's noise process (``workers.noise_process``), if it runs (not
-    imported here: a step that draws no noise maps none of its libraries)."""
-    noise_process = sys.modules.get("workers.noise_process")
-    process = noise_process.current() if noise_process else None
-    return process.pid if process is not None else None
+def _noise_child_pid() -> int | None:
+    """The pid of the noise child of the step built last in this process, if it has one
+    (``workers.dp.randomness.NoiseChild``)."""
+    return next(reversed(_noise_idle_kb), None)
 
 
 def _mmap_threshold(size: int) -> None:
@@ -192,7 +190,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 
     def settle() -> None:  # the draw made ahead for the next step, done (interleaved timing)
         if private.ahead is not None:
-            private.ahead.result()
+            private.ahead.wait()
 
     dp_step.settle = settle  # type: ignore[attr-defined]
     return dp_step
@@ -201,12 +199,11 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
 def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: bool):
     """The product's step as every DP column of these benchmarks runs it: ``clipper``, Abadi's
     function at R = 1, σ = 1, ``noise`` into one flat buffer (drawn ahead if ``draw_ahead``),
-    SGD. Drawn ahead, the noise is made in the noise process, which has started when this
-    returns."""
+    SGD. Drawn ahead, the noise is made in the step's noise child, which has started when
+    this returns."""
     import torch
     from torch import nn
 
-    from workers import noise_process
     from workers.dp.adaptive import ThresholdRule
     from workers.dp.clipping import resolve_groups
     from workers.dp.engine import PrivateStep
@@ -225,11 +222,10 @@ def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: b
         noise=noise,
         draw_ahead=draw_ahead,
     )
-    process = noise_process.current()
-    while step.draw_ahead and process is not None and not process.ready():
-        time.sleep(0.01)  # until it has started (0.2 s), draws are made on a thread
-    if step.draw_ahead and process is not None:
-        _noise_idle_kb.setdefault(process.pid, _proc_kb("RssAnon", process.pid))
+    while step.ahead is not None and not step.ahead.ready():
+        time.sleep(0.01)  # until it has started (0.2 s), draws are made in line
+    if step.ahead is not None:
+        _noise_idle_kb[step.ahead.pid] = _proc_kb("RssAnon", step.ahead.pid)
     return step
 
 
@@ -306,16 +302,16 @@ def _peak_over(step: Callable[[], None], cuda: bool, base_kb: float, steps: int)
             step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**20
-    child = _noise_process_pid()
+    child = _noise_child_pid()
     for pid in ("self", child) if child else ("self",):
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     for _ in range(steps):
         step()
-    return (_proc_kb("VmHWM") - base_kb + (_noise_process_peak_kb(child) if child else 0)) / 1024
+    return (_proc_kb("VmHWM") - base_kb + (_noise_child_peak_kb(child) if child else 0)) / 1024
 
 
-def _noise_process_peak_kb(pid: int) -> int:
-    """The noise process's peak over the steps since its VmHWM was reset, less what it held
+def _noise_child_peak_kb(pid: int) -> int:
+    """The noise child's peak over the steps since its VmHWM was reset, less what it held
     before its first draw (``_noise_idle_kb``) and less its file and shared pages (the
     library code its first draw mapped; the gradient buffer, counted in this process)."""
     mapped = _proc_kb("RssFile", pid) + _proc_kb("RssShmem", pid)

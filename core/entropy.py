@@ -71,8 +71,8 @@ class Keystream:
 
     @property
     def key(self) -> bytes:
-        """The cipher's key, for the trial's noise process, which reads claimed bytes too
-        (``workers.noise_process``): never stored, logged or sent anywhere else."""
+        """The cipher's key (for benches and tests that rebuild draws from it): never stored,
+        logged or sent anywhere."""
         return self._key
 
     def claim(self, nbytes: int) -> int:
@@ -105,8 +105,8 @@ def buffer(nbytes: int) -> np.ndarray:
 
 class Reader:
     """Reads a keystream on from a byte, part after part, through one cipher context (making
-    one costs what reading some 50 KiB of keystream does, and the noise process reads a chunk's
-    words in pieces: ``workers.gaussian.make``)."""
+    one costs what reading some 50 KiB of keystream does, and a draw reads a chunk's words in
+    pieces: ``workers.gaussian.make``)."""
 
     def __init__(self, key: bytes, start: int) -> None:
         block, lead = divmod(start, BLOCK)

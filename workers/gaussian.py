@@ -1,21 +1,22 @@
-"""Standard normals from an AES-CTR keystream by the Box–Muller transform, in numpy.
+"""Standard normals from an AES-CTR keystream by the Box–Muller transform, in numpy, and the
+child process that draws a trial's next noise beside its step (:func:`serve`).
 
-No torch here: besides ``workers.dp.randomness`` (which says why these draws), the trial's
-noise process (:mod:`workers.noise_process`) imports this module, and it starts in a fraction
-of the time torch would take to import.
+No torch here: the child imports this module, and starts in a fraction of the time torch would
+take to import.
 
-A draw is planned in chunks of at most ``CHUNK`` Gaussian pairs: r·cos θ for a chunk's first
+A draw is made in chunks of at most ``CHUNK`` Gaussian pairs: r·cos θ for a chunk's first
 half, r·sin θ for its second. Each pair takes 8 bytes of keystream for its radius, then
 (after the chunk's radii) 4 for its angle, 8 when the output is float64 (:func:`radii`,
-:func:`angles`). A draw's bytes are claimed at once when it is planned, the chunks' in order
-(:func:`plan`), so they are the bytes one thread reading the stream would have read, and any
-thread or process holding the key may make any chunk (:func:`make`).
+:func:`angles`). A draw's bytes are claimed at once, the chunks' in order (:func:`plan`), so
+they are the bytes one reader of the stream would have read.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+import mmap
+import sys
+import traceback
 
 import numpy as np
 
@@ -23,9 +24,11 @@ from core.entropy import Keystream, buffer
 
 #: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
 CHUNK = 1 << 16
-#: Gaussian pairs the noise process makes at once (:func:`make`): 128 KiB held for float32
-#: noise, not a chunk's 512 KiB, for 1.1–1.2× the time (``docs/speed-history.md``)
+#: Gaussian pairs the child makes at once (:func:`make`): 128 KiB held for float32 noise, not
+#: a chunk's 512 KiB, for 1.1–1.2× the time (``docs/speed-history.md``)
 PIECE = 1 << 14
+#: the child's replies (:func:`serve`): started, a draw made, a draw failed
+READY, MADE, FAILED = b"r", b"!", b"x"
 #: a chunk: its start and stop in the output, and the keystream byte its words start at
 Chunk = tuple[int, int, int]
 #: a radius's uniform v = m·2⁻⁵³ from a 64-bit word w: m = (w >> RADIUS_SHIFT) + RADIUS_OFFSET,
@@ -73,9 +76,9 @@ def make(
     context each for the chunk). The radii are formed in ``flat`` itself, the sines too, and
     the cosines overwrite the angles; one buffer holds a piece's radii's words, then its
     angles' words and the angles: 8 bytes a pair for float32 noise, 16 for float64. Smaller
-    pieces hold less and cost more calls (the noise process, whose time is hidden, takes
-    ``PIECE``). The scale multiplies the radii, half the values, so that no pass over the
-    whole output is left to the caller (the engine's σ·C/B)."""
+    pieces hold less and cost more calls (the child, whose time is hidden, takes ``PIECE``).
+    The scale multiplies the radii, half the values, so that no pass over the
+    whole output is left to the caller (the engine's σ_T)."""
     start, stop, at = chunk
     part = flat[start:stop]
     half, size = (len(part) + 1) // 2, flat.itemsize
@@ -94,20 +97,11 @@ def make(
         np.multiply(r, np.cos(angle, out=angle), out=r)
 
 
-class BoxMuller:
-    """One draw of normals of standard deviation ``scale`` into the flat float32 or float64
-    array ``flat``, planned from ``keystream`` (:func:`claim`). :meth:`run` makes chunks until
-    none is left, and two threads may run it at once: each chunk is taken once
-    (``itertools.count``, whose ``next`` is atomic) and writes its own part of ``flat``."""
-
-    def __init__(self, keystream: Keystream, flat: np.ndarray, scale: float = 1.0) -> None:
-        self.keystream, self.flat, self.scale = keystream, flat, scale
-        self.chunks = claim(keystream, flat)
-        self._taken = itertools.count()
-
-    def run(self) -> None:
-        while (index := next(self._taken)) < len(self.chunks):
-            make(self.keystream, self.flat, self.chunks[index], scale=self.scale)
+def draw(keystream: Keystream, flat: np.ndarray, scale: float = 1.0, piece: int = CHUNK) -> None:
+    """Fill the flat float32 or float64 array ``flat`` with normals of standard deviation
+    ``scale``: the stream's next draw (:func:`claim`), chunk after chunk."""
+    for chunk in claim(keystream, flat):
+        make(keystream, flat, chunk, piece, scale)
 
 
 def radii(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
@@ -139,3 +133,27 @@ def angles(words: np.ndarray, *, out: np.ndarray) -> np.ndarray:
     np.copyto(out, k, casting="unsafe")
     out *= 2 * math.pi * 2.0**-bits
     return out
+
+
+def serve(fd: int, size: int, dtype: str) -> None:
+    """The child: draw into the ``size`` values of ``dtype`` in the shared file ``fd`` from a
+    keystream under a key of its own, freshly made here, that never leaves this process. It
+    writes ``READY`` once started, then for each line on stdin (a standard deviation) the
+    stream's next draw and ``MADE`` (``FAILED`` and its error on stderr if the draw failed);
+    it exits when stdin closes (the trial dropped the buffer) or stdout does."""
+    flat = np.frombuffer(mmap.mmap(fd, size * np.dtype(dtype).itemsize), dtype=dtype)
+    keystream, replies = Keystream(), sys.stdout.buffer
+    try:
+        replies.write(READY)
+        replies.flush()
+        for line in sys.stdin:
+            try:
+                draw(keystream, flat, float(line), PIECE)
+                reply = MADE
+            except Exception:  # the parent raises where it needs the noise
+                traceback.print_exc()
+                reply = FAILED
+            replies.write(reply)
+            replies.flush()
+    except BrokenPipeError:  # the parent is gone
+        return

@@ -119,7 +119,7 @@ def test_conv_norms_from_pixels_keep_the_bound(
     monkeypatch: pytest.MonkeyPatch, layer: str, function: str
 ) -> None:
     """The convolution's ghost norm with its patches' Gram matrices formed from the pixels'
-    (``ConvRule._pixel_sq_norms``), forced; without the rounding guard a ``conv1d_ulp``
+    (``ConvRule._pixel_norms``), forced; without the rounding guard a ``conv1d_ulp``
     candidate contributes 1.18·R."""
     monkeypatch.setattr(ghost_layers.ConvRule, "_from_pixels", lambda *_: True)
     assert_bounded("fast", *LAYERS[layer](), function)
@@ -141,13 +141,16 @@ def assert_bounded(clipper: str, model: nn.Module, x: Tensor, target: Tensor, fu
     assert worst <= R * (1 + 1e-6), f"candidate {worst_i} contributes {worst:.4g} > R = {R}"
 
 
-def test_embedding_norms_keep_the_guard_where_float64_rows_lose_terms() -> None:
-    """Three positions of one id with output gradients M, η, −M (M = 2¹⁰⁰, η = 2⁴⁰): float64
+def test_embedding_norms_keep_the_guard_where_float32_rows_lose_terms() -> None:
+    """Three positions of one id with output gradients M, η, −M (M = 2⁴⁰, η = 2¹⁰): float32
     adds M + η to M, so the row comes out 0 though the gradient is η; what a sum formed in
     another order would add is bounded only through the guard κ·S², S = Σ_t ‖g_t‖ ≥ 2M."""
+    from workers.dp.bounds import gamma
     from workers.dp.ghost.layers import RULES, Call
 
     module = nn.Embedding(3, 1)
-    g = torch.tensor([[[2.0**100], [2.0**40], [-(2.0**100)]]])
-    (norm,) = RULES[nn.Embedding].weight_sq_norms(module, [Call(torch.ones(1, 3).long(), g)])
-    assert norm >= 1e-14 * (2 * 2.0**100) ** 2  # far above η² = 2⁸⁰, the exact squared norm
+    g = torch.tensor([[[2.0**40], [2.0**10], [-(2.0**40)]]])
+    bound = RULES[nn.Embedding].weight_norms(module, [Call(torch.ones(1, 3).long(), g)])
+    (norm,) = bound.scale * bound.value + bound.floor
+    # the exact norm η plus what the clipped sum of three rows may add by rounding (γ₄·S)
+    assert norm >= 2.0**10 + gamma(4) * 2 * 2.0**40

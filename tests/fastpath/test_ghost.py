@@ -1,8 +1,10 @@
 """The fast clipper (ghost norms + book-keeping) against independent per-sample gradients.
 
 The reference is written here from scratch: ``torch.func`` per-sample gradients, group norms and
-clipped sums by explicit loops. Results must agree to 1e-5 relative for every supported layer,
-every clipping style, shared layers, fallbacks, and against the engine's general path.
+clipped sums by explicit loops. Norms are upper bounds (``workers.dp.bounds``): at least the
+reference's and at most ``NORM_MARGIN`` above; clipped sums, with the clip factors those norms
+give, agree to 1e-5 relative for every supported layer, every clipping style, shared layers,
+fallbacks, and against the engine's general path.
 """
 
 from __future__ import annotations
@@ -20,11 +22,24 @@ from workers.dp.ghost import clipper as ghost_clipper
 from workers.dp.ghost import layers as ghost_layers
 
 RTOL = 1e-5
+#: the guard of a float32 ghost norm over T positions is κ·S² with κ ≈ 5e-4 and S/‖G‖ up to
+#: about √T on random data (``workers.dp.bounds.ghost_guard``): up to 3 % over, forced on
+#: convolutions of 64 positions
+NORM_MARGIN = 3e-2
 LOSS = nn.CrossEntropyLoss(reduction="none")
 
 
 # ---------------------------------------------------------------- independent reference
-def reference(model: nn.Module, x: Tensor, y: Tensor, groups: list[list[str]], coef_fn):
+def reference(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    groups: list[list[str]],
+    coef_fn,
+    norms_for_coef: Tensor | None = None,
+):
+    """Exact-ish norms and the clipped sums for the factors of ``norms_for_coef`` (the clipper's
+    own norm bounds, when given) or of those norms."""
     params = {n: p.detach() for n, p in model.named_parameters()}
 
     def one(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
@@ -37,7 +52,7 @@ def reference(model: nn.Module, x: Tensor, y: Tensor, groups: list[list[str]], c
             for i in range(x.shape[0])
         ]
     )
-    coef = coef_fn(norms)
+    coef = coef_fn(norms if norms_for_coef is None else norms_for_coef)
     sums = {
         n: sum(coef[i, m] * per_sample[n][i] for i in range(x.shape[0]))
         for m, g in enumerate(groups)
@@ -70,6 +85,14 @@ def style(model: nn.Module, name: str) -> list[list[str]]:
     return [names[::2], names[1::2]] if len(names) > 1 else [names]
 
 
+def assert_bound(actual: Tensor, expected: Tensor, what: str) -> None:
+    """``actual`` bounds ``expected`` from above (up to the reference's own rounding), closely."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    below = ((expected - actual).clamp_min(0).max() / scale).item()
+    above = ((actual - expected) / expected.abs().clamp_min(1e-12)).max().item()
+    assert below <= RTOL and above <= NORM_MARGIN, f"{what}: {below:.2e} below, {above:.2e} above"
+
+
 def assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
     scale = expected.abs().max().clamp_min(1e-12)
     err = ((actual - expected).abs().max() / scale).item()
@@ -81,9 +104,9 @@ def check(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     groups = style(model, style_name)
     norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(threshold))
-    ref_norms, ref_sums = reference(model, x, y, groups, abadi(threshold))
+    ref_norms, ref_sums = reference(model, x, y, groups, abadi(threshold), norms)
     assert norms.shape == (x.shape[0], len(groups))
-    assert_close(norms, ref_norms, "norms")
+    assert_bound(norms, ref_norms, "norms")
     assert list(sums) == [n for n, _ in model.named_parameters()]
     for name, value in sums.items():
         assert value.shape == ref_sums[name].shape, name
@@ -265,13 +288,13 @@ def test_convolution_norms_from_pixels_match(monkeypatch: pytest.MonkeyPatch) ->
         ghost_layers.ConvRule, "_from_pixels", lambda self, m, calls: len(calls) == 1
     )
     formed = []
-    pixel_sq_norms = ghost_layers.ConvRule._pixel_sq_norms
+    pixel_sq_norms = ghost_layers.ConvRule._pixel_norms
 
     def spy(self, module: nn.Module, call):
         formed.append(type(module).__name__)
         return pixel_sq_norms(self, module, call)
 
-    monkeypatch.setattr(ghost_layers.ConvRule, "_pixel_sq_norms", spy)
+    monkeypatch.setattr(ghost_layers.ConvRule, "_pixel_norms", spy)
     torch.manual_seed(0)
     for style_name in ("param_wise", "all_layer"):
         check(Convs(), *data("image"), style_name)
@@ -419,7 +442,8 @@ def test_parameters_of_two_dtypes_match_and_convert_factors_once_per_group_and_d
     style_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each group's factors are converted to a kept gradient's dtype once a step, not once per
-    parameter (two operations each: kernel launches on a GPU), and float64 ones not at all."""
+    parameter (kernel launches on a GPU), and not at all for float32 ones (the LayerNorm's
+    float64 gradients are kept; the book-kept head scales its output gradients itself)."""
     converted: list[torch.dtype] = []
     convert = ghost_clipper.factors_as
 
@@ -431,10 +455,10 @@ def test_parameters_of_two_dtypes_match_and_convert_factors_once_per_group_and_d
     torch.manual_seed(0)
     x = torch.randn(7, 4, 6, generator=torch.Generator().manual_seed(2))
     check(TwoDtypes(), x, data("dense")[1], style_name)
-    groups_with_float32 = sum(
-        any(n.startswith("first.") for n in g) for g in style(TwoDtypes(), style_name)
+    kept_float64 = sum(
+        any(n.startswith("norm.") for n in g) for g in style(TwoDtypes(), style_name)
     )
-    assert converted == [torch.float32] * groups_with_float32
+    assert converted == [torch.float64] * kept_float64
 
 
 def test_shared_layer_sums_its_calls() -> None:
@@ -449,8 +473,10 @@ def test_matches_general_path() -> None:
         for style_name in STYLES:
             groups = style(model, style_name)
             norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))
-            ref_norms, ref_sums = general.clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))
-            assert_close(norms, ref_norms, f"{style_name} norms")
+            ref_norms, _ = general.clipped_grad_sum(model, LOSS, x, y, groups, abadi(0.5))
+            exact, ref_sums = reference(model, x, y, groups, abadi(0.5), norms)
+            assert_bound(norms, exact, f"{style_name} norms")
+            assert_bound(ref_norms, exact, f"{style_name} general norms")
             for name in ref_sums:
                 assert_close(sums[name], ref_sums[name], f"{style_name} {name}")
 
@@ -596,8 +622,8 @@ def test_groups_finish_during_the_backward_pass(style_name: str) -> None:
         assert early == set()
     else:
         assert early == {"mid.weight", "mid.bias", "head.weight", "head.bias"}
-    ref_norms, ref_sums = reference(model, x, y, groups, abadi(0.5))
-    assert_close(norms, ref_norms, "norms")
+    ref_norms, ref_sums = reference(model, x, y, groups, abadi(0.5), norms)
+    assert_bound(norms, ref_norms, "norms")
     for name, value in ref_sums.items():
         assert_close(dict.__getitem__(out, name), value, name)
 

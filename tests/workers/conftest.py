@@ -27,6 +27,7 @@ def _make_step(
     clipper=clipped_grad_sum,
     rule=None,
     lr=0.0,
+    clipping="abadi",
     draw_ahead=False,
 ) -> PrivateStep:
     return PrivateStep(
@@ -34,7 +35,7 @@ def _make_step(
         LOSS,
         resolve_groups(model, style),
         clipper,
-        clipping="abadi",
+        clipping=clipping,
         gamma=0.01,
         rule=rule or ThresholdRule(threshold),
         grad_noise=noise,

@@ -1,24 +1,25 @@
 """Clipping bounds, sensitivity of the noiseless sum, the noise scale, and Poisson sampling."""
 
+import gc
 import math
+import os
+import signal
+import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from randomgen import AESCounter
+from scipy import stats
 from torch import nn
 
 from core.config import ModelConfig
-from core.entropy import Keystream, Reader
 from core.sampling import num_steps, sample_rate
-from workers import gaussian, noise_process
+from workers import gaussian
 from workers.dp import PrivateStep, clipped_grad_sum, per_sample_grads, resolve_groups
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import coefficient_fn
-from workers.dp.ghost import clipped_grad_sum as fast_clipped_grad_sum
 from workers.dp.optim import SGD
-from workers.dp.randomness import SecureStream
+from workers.dp.randomness import NoiseChildError, SecureStream
 from workers.dp.sampling import micro_batches, poisson_batches
 from workers.models import build_model
 
@@ -187,28 +188,6 @@ def test_a_hostile_record_trains_to_a_finite_model(path, style, record):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-class SlowKeystream(Keystream):
-    """Test double: a keystream each of whose readers takes 50 ms longer to start."""
-
-    def reader(self, start: int) -> Reader:
-        time.sleep(0.05)
-        return super().reader(start)
-
-
-class Keyed(SecureStream):
-    """Test double: a stream with a fixed key."""
-
-    def __init__(self, key: int, keystream: type[Keystream] = Keystream) -> None:
-        self.numpy = np.random.Generator(AESCounter(key=key, counter=0))
-        self.keystream = keystream(key.to_bytes(16, "little"))
-
-
-def slow_keyed(key: int) -> Keyed:
-    """A keyed stream whose every draw is 100 ms late (drawn ahead, on the noise thread: the
-    noise process reads only a plain keystream)."""
-    return Keyed(key, SlowKeystream)
-
-
 class Shrinking(ThresholdRule):
     """Test double: C_{t+1} = 0.9·C_t."""
 
@@ -216,68 +195,104 @@ class Shrinking(ThresholdRule):
         self.threshold *= 0.9
 
 
-@pytest.mark.parametrize("style", ["all_layer", "layer_wise"])
-@pytest.mark.parametrize("where", ["late, on the noise thread", "in the noise process"])
-def test_noise_drawn_ahead_trains_the_very_model_that_noise_drawn_in_line_does(
-    style, where, make_step, monkeypatch
-):
-    """Each step uses the draw made ahead for it once it is complete (a late one would
-    otherwise land on the sums), scaled by that step's C_t; with an empty batch the noise is
-    the gradient. The draw goes into the gradient buffer itself: no second model-sized one.
-    In the noise process, it is made there: after the first step (whose draw is needed as
-    soon as it is asked for), nothing here made a chunk of it."""
-    made_here = []
-    monkeypatch.setattr(
-        noise_process, "make", lambda *args, **kw: made_here.append(gaussian.make(*args, **kw))
-    )
-    models = []
-    for ahead in (False, True):
-        model = mlp()
-        late = where.startswith("late")
-        step = make_step(
+def started(step: PrivateStep) -> PrivateStep:
+    """``step`` once its noise child has started (until then its steps draw in line)."""
+    deadline = time.monotonic() + 30
+    while not step.ahead.ready():
+        assert time.monotonic() < deadline, "the noise child did not start"
+        time.sleep(0.01)
+    return step
+
+
+def ahead_step(make_step, *, sigma=1.3, threshold=0.8, expected=16) -> PrivateStep:
+    """A step drawing ahead for a 17,802-parameter mlp, its child started."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="mlp", options={"hidden": 128}), (64,), 10)
+    return started(
+        make_step(
             model,
-            noise=1.0,
-            threshold=0.5,
-            expected=6,
-            stream=slow_keyed(2**90 + 3) if late else Keyed(2**90 + 3),
-            style=style,
-            clipper=fast_clipped_grad_sum,
-            rule=Shrinking(0.5),
-            lr=0.1,
-            draw_ahead=ahead,
+            noise=sigma,
+            threshold=threshold,
+            expected=expected,
+            rule=Shrinking(threshold),
+            draw_ahead=True,
         )
-        assert step.draw_ahead == ahead
-        buffers = set()  # the storage every step's g̃ is in, read where the optimizer reads it
-        step.optimizer.register_step_pre_hook(
-            lambda *_, step=step, seen=buffers: seen.add(step.optimizer.params[0].grad.data_ptr())
-        )
-        process = noise_process.current()
-        while ahead and not late and not process.ready():
-            time.sleep(0.01)  # (draws asked for before it starts are made on the thread)
-        for t, data in enumerate([batch(seed=1), batch(n=0), batch(seed=2), batch(seed=3)]):
-            step.step([data], t)
-            time.sleep(0.05 if ahead and not late else 0)  # the trial's work between steps
-            if t == 0:
-                made_here.clear()  # the first step's draw is needed as soon as it is asked for
-        models.append(model)
-        assert buffers == {step.flat.data_ptr()}  # one gradient buffer, drawn ahead into too
-    for inline, ahead in zip(models[0].parameters(), models[1].parameters(), strict=True):
-        assert torch.equal(inline, ahead)
-    assert late or not made_here
+    )
 
 
-def test_a_threshold_changed_after_the_draw_began_scales_the_drawn_noise(make_step):
-    """The next step's noise σ_T·z is drawn ahead whatever the threshold (it is in units of
-    the clip bound); a threshold changed afterwards (from outside the rule) still gets noise
-    of std σ_T·C/B at the new C: the drawn-ahead gradient equals the one drawn in line."""
-    grads = []
-    for ahead in (False, True):
-        step = make_step(
-            mlp(), noise=1.0, threshold=0.5, expected=6, stream=Keyed(2**70 + 1), draw_ahead=ahead
-        )
-        step.step([batch(seed=1)], 0)
-        step.rule.threshold = 0.8  # after the draw for step 1 began, at 0.5
-        step.private_gradient([batch(n=0)])  # noise alone
-        grads.append(torch.cat([p.grad.flatten() for p in step.params.values()]))
-    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=0)
-    assert float(grads[1].std()) == pytest.approx(0.8 / 6, rel=0.5)
+def gradients(step: PrivateStep, count: int) -> list[torch.Tensor]:
+    """g̃ of ``count`` steps on empty batches (pure noise), as the optimizer reads them."""
+    seen = []
+    step.optimizer.register_step_pre_hook(lambda *_: seen.append(step.flat.clone()))
+    empty = (torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
+    for t in range(count):
+        step.step([empty], t)
+    return seen
+
+
+def test_noise_drawn_ahead_is_fresh_gaussian_noise_of_std_sigma_c_over_b(make_step):
+    """Every step's noise is a fresh N(0, σ_T²) draw, scaled by that step's C_t/B (the
+    threshold shrinks every step): the first step's, before the child has started, drawn in
+    line; every later one by the child, from its own key, taking no byte of this process's
+    stream. The draws go into the gradient buffer itself."""
+    sigma, b = 1.3, 16
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="mlp", options={"hidden": 128}), (64,), 10)
+    step = make_step(
+        model, noise=sigma, threshold=0.8, expected=b, rule=Shrinking(0.8), draw_ahead=True
+    )
+    assert step.flat.data_ptr() == step.ahead.flat.data_ptr()
+    seen = []
+    step.optimizer.register_step_pre_hook(lambda *_: seen.append(step.flat.clone()))
+    empty = (torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
+    step.step([empty], 0)  # the child takes a tenth of a second to start: in line
+    in_line = gaussian.keystream_bytes(step.flat.numel(), 4)
+    assert step.noise.keystream.claim(0) == in_line
+    started(step)
+    for t in range(1, 4):
+        step.step([empty], t)
+    assert step.noise.keystream.claim(0) == in_line
+    z = [g / (sigma * 0.8 * 0.9**t / b) for t, g in enumerate(seen)]
+    for t, drawn in enumerate(z):
+        assert stats.kstest(drawn.double().numpy(), "norm").pvalue > 1e-4, t
+        assert all(not torch.equal(drawn, other) for other in z[:t])
+
+
+def test_a_step_waits_for_its_noise_drawn_late(make_step):
+    """A child that has not finished (here: stopped for 0.3 s) holds the step until it has:
+    the step's noise is whole, not what the buffer held before."""
+    step = ahead_step(make_step)
+    (first,) = gradients(step, 1)
+    os.kill(step.ahead.pid, signal.SIGSTOP)
+    threading.Timer(0.3, os.kill, (step.ahead.pid, signal.SIGCONT)).start()
+    started_at = time.monotonic()
+    (late,) = gradients(step, 1)
+    assert time.monotonic() - started_at >= 0.3
+    assert not torch.isclose(late, first * 0.8 * 0.9 / 16).any()  # not waiting gives these
+    assert stats.kstest((late / (1.3 * 0.8 * 0.9 / 16)).double().numpy(), "norm").pvalue > 1e-4
+
+
+def test_a_dead_noise_child_fails_the_step_that_needs_its_noise(make_step):
+    step = ahead_step(make_step)
+    gradients(step, 1)  # the next step's draw is asked for
+    os.kill(step.ahead.pid, signal.SIGKILL)
+    with pytest.raises(NoiseChildError, match="exited"):
+        gradients(step, 1)
+
+
+def test_the_noise_child_exits_with_its_step(make_step):
+    """A draw asked for when training stops is never used: the child ends with the buffer."""
+    step = ahead_step(make_step)
+    gradients(step, 2)
+    pid = step.ahead.pid
+    del step
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:  # reaped already
+            return
+        time.sleep(0.01)
+    pytest.fail("the noise child outlived its step")

@@ -64,17 +64,25 @@ def test_norms_and_clipped_sums_match_naive_loop(name, shape, style):
         dtype=torch.float64,
     )
     norms = per_sample_grad_norms(model, LOSS, x, y, style)
-    torch.testing.assert_close(norms, expected, rtol=1e-7, atol=1e-9)
+    assert_upper_bound(norms, expected)
 
     coef_fn = coefficient_fn("abadi", 0.5, len(groups))
     got_norms, sums = clipped_grad_sum(model, LOSS, x, y, groups, coef_fn)
-    torch.testing.assert_close(got_norms, expected, rtol=1e-7, atol=1e-9)
-    coef = coef_fn(expected)
+    assert_upper_bound(got_norms, expected)
+    coef = coef_fn(got_norms).double()  # the factors of the clipper's own bounds
     for m, group in enumerate(groups):
         for n in group:
             want = sum(coef[i, m] * reference[n][i] for i in range(len(y)))
-            torch.testing.assert_close(sums[n], want, rtol=1e-7, atol=1e-9)
+            torch.testing.assert_close(sums[n].double(), want.double(), rtol=1e-5, atol=1e-7)
     assert set(sums) == set(reference)
+
+
+def assert_upper_bound(norms: torch.Tensor, exact: torch.Tensor) -> None:
+    """Float32 bounds (``workers.dp.bounds``): at least the exact norms (up to the reference's
+    own float32 gradients' rounding, 1e-6), at most 3e-4 above them."""
+    assert norms.dtype == torch.float32
+    assert (norms.double() >= exact * (1 - 1e-6)).all(), (norms, exact)
+    assert (norms.double() <= exact * (1 + 3e-4) + 1e-12).all(), (norms, exact)
 
 
 def test_groups_by_prefix_and_errors():

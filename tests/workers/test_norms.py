@@ -1,10 +1,13 @@
-"""``workers.dp.clipping.sq_norms``. On float32 blocks (large inputs; forced here on small ones):
-an upper bound on every row's squared norm, within a few parts per million, checked against
-exact sums (``math.fsum`` of the float64 squares of float32 values, which are exact) on
-ordinary, heavy-tailed, wide-ranging and adversarial rows; hostile rows (NaN, ±inf, squares
-that overflow or underflow float32) as the float64 path gives them. Small inputs and other
-dtypes: the float64 path itself. ``clip_factors``: zero wherever a norm or a factor is not
-finite."""
+"""``workers.dp.bounds``: float32 upper bounds on per-sample norms, against exact values.
+
+Exact values are independent of torch's reductions: ``math.fsum`` of the float64 squares of
+float32 values (exact: a float32 value squared fits float64's significand), and for norms over
+positions the exact gradient Σ_t g_t a_tᵀ formed with ``fractions.Fraction``-free float64 products
+(exact) summed by ``math.fsum``. Every bound must be at least the exact norm, and, for ordinary
+rows, within a small relative margin of it; rows of many shapes and scales: Gaussian,
+heavy-tailed, magnitudes from 1e-18 to 1e18, subnormal, huge (up to 1e18 per value, and 3e38,
+whose squares overflow: no claim, the bound must then be infinite), absorption of small squares
+by large ones. ``clip_factors``: zero wherever a norm or a factor is not finite."""
 
 from __future__ import annotations
 
@@ -13,117 +16,144 @@ import math
 import pytest
 import torch
 
-from workers.dp import clipping
-from workers.dp.clipping import (
-    BLOCKS_ABOVE,
-    NORM_BLOCK,
-    _float64_sq_norms,
-    clipped_sum,
-    in_memory_order,
-    sq_norms,
-)
+from workers.dp import bounds, clipping
+from workers.dp.clipping import clipped_sum, in_memory_order
+from workers.dp.ghost.layers import positions_norms
 
-TIGHT = 1e-5  # how far above the exact value the bound may be
-
-
-@pytest.fixture
-def blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float32 input, however small, takes the float32 blocks."""
-    monkeypatch.setattr(clipping, "BLOCKS_ABOVE", 0)
+#: how far above the exact norm a row bound may be (``row_norms``: about 1.2e-4 at worst)
+TIGHT = 3e-4
+#: norms from which a block's float32 sum of squares may overflow: no finite bound is promised
+OVERFLOWS = 1.8e19
+KINDS = ["gaussian", "heavy_tailed", "wide_range", "absorption", "subnormal", "huge", "mixed"]
+LENGTHS = [1, 7, 64, 4096, 4097, 5000, 65536 + 3, 1 << 17]
 
 
 def exact(rows: torch.Tensor) -> list[float]:
-    """Σ x² of each row, correctly rounded (a float32 value squared is exact in float64)."""
-    return [math.fsum(float(v) ** 2 for v in row) for row in rows.flatten(1).double()]
+    """‖x‖ of each row: the correctly rounded sum of the exact float64 squares, its square root
+    (within one float64 rounding of the exact norm)."""
+    return [math.sqrt(math.fsum(float(v) ** 2 for v in row)) for row in rows.flatten(1).double()]
+
+
+def as_upper(bound: bounds.Bound) -> list[float]:
+    """The bound in float64: scale·value + floor, rounded up a little (its own arithmetic)."""
+    return [(bound.scale * v + bound.floor) * (1 + 1e-15) for v in bound.value.double().tolist()]
 
 
 def rows_of(kind: str, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
-    if kind == "gaussian":
-        return torch.randn(4, n, generator=g)
+    x = torch.randn(3, n, generator=g)
     if kind == "heavy_tailed":  # Cauchy: a few entries dominate each row
-        return torch.tan(torch.pi * (torch.rand(4, n, generator=g) - 0.5))
-    if kind == "wide_range":  # magnitudes from 1e-18 to 1e18, no float32 overflow
-        return torch.randn(4, n, generator=g) * 10.0 ** torch.randint(-18, 19, (4, n), generator=g)
-    # absorption: one large square and many that round away when added to it in float32
-    row = torch.full((n,), 2.0**-12)
-    row[:: max(1, n // 3)] = 1.0
-    return torch.stack([row, row.flip(0), -row, row.roll(7)])
+        return torch.tan(torch.pi * (torch.rand(3, n, generator=g) - 0.5))
+    if kind == "wide_range":
+        return x * 10.0 ** torch.randint(-18, 19, (3, n), generator=g)
+    if kind == "subnormal":  # squares of these underflow float32 wholly
+        return x * 1e-40
+    if kind == "huge":  # squares up to 1e36: finite in float32 as long as their sum is
+        return x.sign() * 1e18 / math.sqrt(n)
+    if kind == "mixed":  # signs, subnormals, tiny and large values in one row
+        return x * torch.tensor([1e-40, 1e-20, 1.0, 1e15])[torch.randint(0, 4, (3, n), generator=g)]
+    if kind == "absorption":  # one large square and many that round away when added to it
+        row = torch.full((n,), 2.0**-12)
+        row[:: max(1, n // 3)] = 1.0
+        return torch.stack([row, -row, row.roll(7)])
+    return x
 
 
-@pytest.mark.parametrize("n", [1, NORM_BLOCK - 1, NORM_BLOCK, NORM_BLOCK + 1, 3072, 9217])
-@pytest.mark.parametrize("kind", ["gaussian", "heavy_tailed", "wide_range", "absorption"])
-def test_float32_rows_get_a_tight_upper_bound(blocks: None, kind: str, n: int) -> None:
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_row_norms_bound_every_row_closely(kind: str, n: int) -> None:
     rows = rows_of(kind, n)
-    bound = sq_norms(rows)
-    assert bound.dtype == torch.float64 and bound.shape == (len(rows),)
-    for got, true in zip(bound.tolist(), exact(rows), strict=True):
-        assert true <= got <= true * (1 + TIGHT), (got, true)
+    bound = bounds.row_norms(rows)
+    assert bound.value.dtype == torch.float32 and bound.value.shape == (len(rows),)
+    for got, true in zip(as_upper(bound), exact(rows), strict=True):
+        assert true <= got, (kind, n, got, true)
+        if true < OVERFLOWS:
+            assert got <= true * (1 + TIGHT) + bound.floor * 2, (kind, n, got, true)
 
 
-def test_the_bound_holds_where_float32_additions_lose_terms(blocks: None) -> None:
-    """Each block's float32 sum drops whole terms here (2⁻²⁴ added to 1 rounds back to 1); the
-    guard must still leave the result above the exact sum."""
-    row = torch.full((1, 4 * NORM_BLOCK), 2.0**-12)
-    row[0, ::NORM_BLOCK] = 1.0
-    assert sq_norms(row).item() >= exact(row)[0]
+@pytest.mark.parametrize("value", [3e38, -3e38, 1e20, math.inf, -math.inf, math.nan])
+def test_rows_whose_squares_overflow_or_are_not_finite_get_no_finite_bound(value: float) -> None:
+    rows = torch.randn(3, 5000)
+    rows[1, 17] = value
+    norms = bounds.group_norms([bounds.row_norms(rows)])
+    assert norms[0].isfinite() and norms[2].isfinite() and not norms[1].isfinite()
 
 
-def test_hostile_rows_are_as_on_the_float64_path_and_leave_the_others_alone(
-    blocks: None,
+@pytest.mark.parametrize("parts", [1, 2, 5])
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_norms_bound_the_concatenation_with_the_clip_factors_roundings(
+    kind: str, parts: int
 ) -> None:
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randn(7, 300, generator=g)
-    rows[1, 3] = math.nan
-    rows[2, 5] = math.inf
-    rows[3, 9] = -math.inf
-    rows[4] = 1e20  # finite, but its squares overflow float32
-    rows[5] = 1e-40  # subnormal: its squares underflow float32
-    bound = sq_norms(rows)
-    assert math.isnan(bound[1]) and bound[2] == bound[3] == math.inf
-    assert bound[4].isfinite() and bound[4] >= exact(rows[4:5])[0]
-    assert bound[4] == _float64_sq_norms(rows[4:5])[0]
-    assert bound[5].isfinite() and 0 < exact(rows[5:6])[0] <= bound[5]
-    for i in (0, 6):
-        assert bound[i] == sq_norms(rows[i : i + 1])[0]
+    """ν ≥ ‖x‖·(1 + ``CLIP_ROUNDINGS``·u)-ish: at least the exact norm of the group's rows
+    together, raised by what the clip factor's and the product's roundings need."""
+    pieces = [rows_of(kind, n) for n in (3, 4097, 100, 1 << 13, 9)[:parts]]
+    nu = bounds.group_norms([bounds.row_norms(p) for p in pieces]).double().tolist()
+    whole = torch.cat([p.flatten(1) for p in pieces], 1)
+    slack = 1 + 6 * bounds.U  # the roundings of c and of c·g that ν must cover beyond ‖x‖
+    for got, true in zip(nu, exact(whole), strict=True):
+        assert true * slack <= got, (kind, got, true)
+        if true < OVERFLOWS:
+            assert got <= true * (1 + TIGHT) + 1e-15, (kind, got, true)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-def test_other_dtypes_are_summed_in_float64(dtype: torch.dtype) -> None:
-    rows = torch.randn(3, 200).to(dtype)
-    assert torch.equal(sq_norms(rows), _float64_sq_norms(rows))
+def exact_positions_norm(a: torch.Tensor, g: torch.Tensor) -> list[float]:
+    """(Σ_k ‖Σ_t g_{t,k} a_{t,k}ᵀ‖²)^½ per sample, each entry summed exactly (``math.fsum``)."""
+    out = []
+    for ai, gi in zip(a.double(), g.double(), strict=True):  # [G, T, d], [G, T, p]
+        products = gi.unsqueeze(-1) * ai.unsqueeze(-2)  # [G, T, p, d], each exact in float64
+        entries = products.permute(0, 2, 3, 1).reshape(-1, products.shape[1]).tolist()
+        out.append(math.sqrt(math.fsum(math.fsum(e) ** 2 for e in entries)))
+    return out
 
 
-def test_large_inputs_take_the_blocks_and_small_ones_the_float64_path() -> None:
-    large = torch.randn(BLOCKS_ABOVE // 1000 + 1, 1000)
-    bound, exact64 = sq_norms(large), _float64_sq_norms(large)
-    assert (bound > exact64).all() and (bound <= exact64 * (1 + TIGHT)).all()
-    small = torch.randn(BLOCKS_ABOVE // 1000, 1000)
-    assert torch.equal(sq_norms(small), _float64_sq_norms(small))
+def spread_of(a: torch.Tensor, g: torch.Tensor) -> list[float]:
+    """S_i = Σ_t ‖a_t‖‖g_t‖ summed over maps: the scale of the rounding guard."""
+    return (a.double().norm(dim=-1) * g.double().norm(dim=-1)).sum((1, 2)).tolist()
 
 
-def test_no_input_larger_than_blocks_above_is_copied_to_float64() -> None:
-    """The float64 path converts its input whole; above ``BLOCKS_ABOVE`` that transient set a
-    small model's peak memory (mlp's 64 × 3072 input: 1.5 MB against a 5-MB step), so no
-    allocation while summing such an input may reach its float64 size."""
-    rows = torch.randn(64, 3072)
-    assert rows.numel() > BLOCKS_ABOVE
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        sq_norms(rows)
-    largest = max(event.cpu_memory_usage for event in prof.events())
-    assert 0 < largest < rows.numel() * 8 / 4
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 1e8])
+@pytest.mark.parametrize(
+    ("maps", "positions", "d", "p"), [(1, 1, 5, 3), (1, 6, 4, 3), (2, 9, 3, 5)]
+)
+def test_norms_over_positions_bound_the_exact_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+    ghost: bool,
+    scale: float,
+    maps: int,
+    positions: int,
+    d: int,
+    p: int,
+) -> None:
+    """Ghost and instantiated norms (forced), plus the cancelling example (M·v, M·v + δ with
+    output gradients +w, −w): at least the exact norm plus what the clipped sum may add by
+    rounding (γ·S), and close to the exact norm where nothing cancels."""
+    monkeypatch.setattr("workers.dp.ghost.layers.use_ghost", lambda *_: ghost)
+    gen = torch.Generator().manual_seed(positions * d)
+    a = torch.randn(4, maps, positions, d, generator=gen) * scale
+    g = torch.randn(4, maps, positions, p, generator=gen)
+    if positions > 1:  # sample 3 cancels: its gradient is -w δᵀ, tiny against its terms
+        a[3, :, 1] = a[3, :, 0] + 1e-6 * scale
+        g[3, :, 1] = -g[3, :, 0]
+        a[3, :, 2:], g[3, :, 2:] = 0, 0
+    bound = positions_norms(a, g)
+    got = as_upper(bound)
+    for i, (true, spread) in enumerate(
+        zip(exact_positions_norm(a, g), spread_of(a, g), strict=True)
+    ):
+        assert true + (0 if positions == 1 else bounds.gamma(5) * spread) <= got[i], (
+            i,
+            got[i],
+            true,
+        )
+        if i < 3 and positions == 1:
+            assert got[i] <= true * (1 + TIGHT) + 1e-15
+        elif i < 3:  # the guard: at most √κ·S above, and its floors (2⁻²⁰ a norm) absolutely
+            assert got[i] <= true + 0.05 * spread + 1e-5
 
 
-def test_empty_rows_and_empty_batches(blocks: None) -> None:
-    assert torch.equal(sq_norms(torch.zeros(3, 0)), torch.zeros(3, dtype=torch.float64))
-    assert sq_norms(torch.zeros(0, 5)).shape == (0,)
-    assert sq_norms(torch.zeros(0, 2, 3)).shape == (0,)
-
-
-@pytest.mark.parametrize("n", [3, NORM_BLOCK + 5])
-def test_rows_laid_out_in_another_order_are_read_in_place(blocks: None, n: int) -> None:
+@pytest.mark.parametrize("n", [3, 4096 + 5])
+def test_rows_laid_out_in_another_order_are_read_in_place(n: int) -> None:
     """Per-sample tensors whose memory order is not their axes' (channels-last convolution
     gradients, a permuted view): norms and clipped sums as of the same values laid out in
     order, with no copy of the rows."""
@@ -133,15 +163,26 @@ def test_rows_laid_out_in_another_order_are_read_in_place(blocks: None, n: int) 
     ordered = rows.contiguous()
     view, order = in_memory_order(rows)
     assert order == [0, 1, 3, 2] and view.flatten(1).data_ptr() == stored.data_ptr()
-    bound = sq_norms(rows)
-    assert all(
-        e <= b <= e * (1 + TIGHT) for b, e in zip(bound.tolist(), exact(ordered), strict=True)
-    )
-    coef = torch.rand(4, generator=g, dtype=torch.float64)
+    for got, true in zip(as_upper(bounds.row_norms(rows)), exact(ordered), strict=True):
+        assert true <= got <= true * (1 + TIGHT)
+    coef = torch.rand(4, generator=g)
     total = clipped_sum(coef, rows)
     assert total.shape == (5, 3, n)
-    expected = (coef.view(-1, 1, 1, 1) * ordered.double()).sum(0)
-    torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-6)
+    expected = (coef.double().view(-1, 1, 1, 1) * ordered.double()).sum(0)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_rows_and_empty_batches() -> None:
+    assert torch.equal(bounds.row_norms(torch.zeros(3, 0)).value, torch.zeros(3))
+    assert bounds.row_norms(torch.zeros(0, 5)).value.shape == (0,)
+    assert bounds.group_norms([bounds.row_norms(torch.zeros(0, 2, 3))]).shape == (0,)
+
+
+def test_constants_round_up_to_float32() -> None:
+    for x in (1.0, 1 + 1e-9, math.pi, 2.0**-126 * 3.3, 1e-45):
+        y = bounds.up32(x)
+        assert y >= x and torch.tensor(y, dtype=torch.float32).item() == y
+    assert bounds.gamma(2**24) == math.inf
 
 
 def test_clip_factors_are_zero_wherever_the_norm_or_the_factor_is_not_finite() -> None:
@@ -149,7 +190,7 @@ def test_clip_factors_are_zero_wherever_the_norm_or_the_factor_is_not_finite() -
     norm and the factor are finite, and it survives unchanged. ``keep_all`` answers 1 even for
     a NaN or infinite norm, so only the norm's own check can zero those."""
     inf, nan = math.inf, math.nan
-    norms = torch.tensor([[0.0, 0.5], [2.0, inf], [nan, 3.0], [1e-320, 1e300]], dtype=torch.float64)
+    norms = torch.tensor([[0.0, 0.5], [2.0, inf], [nan, 3.0], [1e-40, 1e30]])
 
     def keep_all(n: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(n)

@@ -9,10 +9,12 @@ initialisation was seeded the same way, so 32 bits determined the initial weight
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import random
-import threading
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -255,58 +257,6 @@ def test_box_muller_reaches_the_tails_of_53_bit_uniforms(radius_word, angle_word
     assert drawn == pytest.approx(z, rel=1e-6, abs=1e-12)
 
 
-class Watched(Keystream):
-    """Test double: a keyed keystream that records which thread read from which byte on, and
-    whose readers on the noise thread take ``lag`` seconds longer to start."""
-
-    def __init__(self, key: bytes, lag: float = 0.0) -> None:
-        super().__init__(key)
-        self.lag, self.reads = lag, []
-
-    def reader(self, start: int) -> Reader:
-        thread = threading.current_thread().name
-        self.reads.append((thread, start))
-        if thread.startswith("dptune-noise"):
-            time.sleep(self.lag)
-        return super().reader(start)
-
-
-def test_noise_drawn_ahead_is_the_streams_next_draw_made_on_the_noise_thread() -> None:
-    key, out = b"drawn ahead, too", torch.empty(1000)
-    ahead, plain = SecureStream(), SecureStream()
-    ahead.keystream, plain.keystream = Watched(key), Keystream(key)
-    for _ in range(3):  # three steps of three trials: one thread for them all
-        drawing = ahead.normal_ahead(out)
-        deadline = time.monotonic() + 10
-        while not drawing.done() and time.monotonic() < deadline:
-            time.sleep(0.001)  # nobody waits for it: the thread makes all of it
-        assert drawing.result() is out
-        assert torch.equal(out, plain.normal(1000))
-    threads = {thread for thread, _ in ahead.keystream.reads}
-    assert len(threads) == 1 and threads.pop().startswith("dptune-noise")
-    assert sum(t.name.startswith("dptune-noise") for t in threading.enumerate()) == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_whoever_waits_for_noise_draws_its_remaining_chunks_to_the_same_bits(dtype) -> None:
-    """A draw asked for before it is done is finished by both threads, each chunk once, from
-    its own place in the keystream: the same draw as one thread makes, and the stream goes on
-    after it as after that one."""
-    key, n = bytes(range(16, 32)), 5 * 2 * gaussian.CHUNK + 7  # six chunks, the last short
-    helped, plain = SecureStream(), SecureStream()
-    helped.keystream, plain.keystream = Watched(key, lag=0.05), Keystream(key)
-    out = torch.empty(n, dtype=dtype)
-    assert helped.normal_ahead(out).result() is out
-    assert torch.equal(out, plain.normal(n, dtype=dtype))
-    starts = {}
-    for thread, start in helped.keystream.reads:
-        starts.setdefault(thread.startswith("dptune-noise"), []).append(start)
-    assert starts[True] and starts[False]  # both made chunks
-    every = sorted(starts[True] + starts[False])
-    assert len(every) == len(set(every)) == 2 * 6  # radii and angles of each chunk, once
-    assert torch.equal(helped.normal(99, dtype=dtype), plain.normal(99, dtype=dtype))
-
-
 @pytest.mark.parametrize("start", [0, 5, 16, 37, 1000])
 def test_the_keystream_read_anywhere_is_aes_of_the_counter_blocks(start: int) -> None:
     key = bytes(range(16))
@@ -320,29 +270,65 @@ def test_the_keystream_read_anywhere_is_aes_of_the_counter_blocks(start: int) ->
     assert parts == _aes_blocks(key, start + 73)[start:]
 
 
-def test_a_forked_child_draws_ahead_on_a_thread_of_its_own() -> None:
-    """A child inherits no threads: work queued to the parent's noise thread would never run."""
-    SecureStream().normal_ahead(torch.empty(8)).result()  # the parent's thread exists
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only if its draw completes
-        code = 1
-        try:
-            SecureStream().normal_ahead(torch.empty(8)).result(timeout=10)
-            code = 0
-        finally:
-            os._exit(code)
-    assert os.waitpid(pid, 0)[1] == 0
+@pytest.mark.parametrize("dtype", ["<f4", "<f8"])
+def test_the_child_draws_its_streams_next_draws_into_the_shared_file(
+    dtype, tmp_path, monkeypatch
+) -> None:
+    """``workers.gaussian.serve``, run here with its key replaced (a test double): one reply
+    when started, then for each request the stream's next draw at the requested scale, into
+    the shared file, and one reply; it ends with its requests."""
+    key, size = b"the child's key!", 2 * gaussian.CHUNK + 5
+    path = tmp_path / "shared"
+    path.write_bytes(bytes(size * np.dtype(dtype).itemsize))
+    replies = io.BytesIO()
+    monkeypatch.setattr(gaussian, "Keystream", lambda: Keystream(key))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("0.5\n1.25\n"))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(replies))
+    with path.open("r+b") as shared:
+        gaussian.serve(shared.fileno(), size, dtype)
+    assert replies.getvalue() == gaussian.READY + 2 * gaussian.MADE
+    plain, torch_dtype = SecureStream(), torch.float32 if dtype == "<f4" else torch.float64
+    plain.keystream = Keystream(key)
+    plain.normal(size, dtype=torch_dtype, scale=0.5)
+    expected = plain.normal(size, dtype=torch_dtype, scale=1.25)
+    assert torch.equal(torch.from_numpy(np.fromfile(path, dtype=dtype)), expected)
 
 
-def test_a_failed_draw_ahead_raises_where_its_noise_is_needed() -> None:
-    class Failing(Keystream):  # test double
-        def reader(self, start: int) -> Reader:
-            raise OSError("entropy source gone")
+@pytest.mark.parametrize("memfd", [True, False])
+def test_a_noise_child_draws_into_the_buffer_it_shares(memfd, monkeypatch) -> None:
+    """With anonymous shared memory (Linux), and without (macOS: an unlinked temporary file):
+    each request's draw lands in the buffer this process reads, fresh each time."""
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create", raising=False)
+    child = SecureStream().child(50_000, torch.float64)
+    deadline = time.monotonic() + 30
+    while not child.ready():
+        assert time.monotonic() < deadline, "the noise child did not start"
+        time.sleep(0.01)
+    drawn = []
+    for scale in (1.0, 0.25):
+        child.request(scale)
+        child.wait()
+        drawn.append(child.flat.clone())
+    for scale, z in zip((1.0, 0.25), drawn, strict=True):
+        assert stats.kstest(z.numpy() / scale, "norm").pvalue > 1e-4
 
-    stream = SecureStream()
-    stream.keystream = Failing()
-    with pytest.raises(OSError, match="entropy source gone"):
-        stream.normal_ahead(torch.empty(8)).result()
+
+def test_the_child_imports_no_torch() -> None:
+    """It starts in a fraction of the time torch takes to import."""
+    check = "import sys, workers.gaussian; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_stream_whose_draws_a_subclass_changes_has_no_child() -> None:
+    class Doubled(SecureStream):  # test double
+        def normal(self, shape, **kwargs):
+            return 2 * super().normal(shape, **kwargs)
+
+    assert Doubled().child(1000, torch.float32) is None
+    assert SecureStream().child(1000, torch.float16) is None  # half precision: in line
+    assert SecureStream().child(0, torch.float32) is None
 
 
 def test_noise_is_drawn_ahead_only_with_a_core_to_spare() -> None:

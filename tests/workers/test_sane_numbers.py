@@ -192,11 +192,16 @@ def test_noise_is_sigma_t_and_the_gradient_is_the_scaled_noisy_sum(
     assert bool((noise.abs() >= FLOAT32_TINY).all())
     assert float(noise.std()) == pytest.approx(sigma, rel=0.15)
     sums = reference(model, x, y, step.groups, threshold)
-    want = torch.cat([sums[n].flatten() for n in step.params]) + noise.double()
-    want *= threshold / expected
+    summed = torch.cat([sums[n].flatten() for n in step.params])
+    want = (summed + noise.double()) * (threshold / expected)
     got = gradient(model).double()
     tolerance = 1e-5 * threshold / expected * max(1.0, sigma)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance)
+    # the clipper's factors come from float32 norm bounds, up to 1.2e-4 above the exact norms
+    # (``workers.dp.bounds``): an error relative to the clipped sum, not to g̃, in which the
+    # noise may cancel the sum
+    allowed = 2e-4 * (summed.abs() * (threshold / expected) + want.abs()) + tolerance
+    worst = ((got - want).abs() - allowed).max()
+    assert float(worst) <= 0, float(worst)
     assert bool((got.abs() >= FLOAT32_TINY).all()) and bool(got.isfinite().all())
 
 

@@ -74,9 +74,10 @@ class CanaryClipper:
             canary_norms = torch.full(
                 (len(ids), len(groups)),
                 group_thresholds(threshold, len(groups)),
-                dtype=torch.float64,
+                dtype=norms.dtype,
+                device=norms.device,
             )
-            norms = torch.cat([norms, canary_norms.to(norms.device)])
+            norms = torch.cat([norms, canary_norms])
         if out is None:
             return norms, sums
         for name, s in sums.items():
@@ -107,7 +108,7 @@ class CanaryClipper:
             return norms, {name: s.detach() for name, s in sums.items()}
         device = self.real_sum.device
         return (
-            torch.zeros(0, len(groups), dtype=torch.float64, device=device),
+            torch.zeros(0, len(groups), device=device),  # float32, as the clippers' norms
             {name: torch.zeros(shape, device=device) for name, shape in self.shapes.items()},
         )
 

@@ -15,6 +15,11 @@ Every C_t a rule sets is clamped into ``core.config.THRESHOLD`` (and a histogram
 to b× a step, step after step, at a small B, and Andrew et al.'s and Du et al.'s geometric
 updates have no floor, while the engine needs C_t/B where float32 holds the noisy sum's scale
 (docs/design.md, invariant 12).
+
+The norms arrive on the model's device. A rule that looks at them takes one thing to the host
+a step, after the optimizer step (``workers.dp.engine.PrivateStep.step``): the norms for a
+histogram, the count of unclipped examples for Andrew et al.'s rule; float64 arithmetic happens
+there, on the host, never on the device. A fixed or data-independent rule takes nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def noisy_histogram(
     """Paper 001, Algorithm 2: counts over ``bins`` equal bins of [0, range_], norms beyond the
     range in the last bin, plus N(0, noise²) per bin (sensitivity 1: one example, one count).
     Non-finite norms (a diverged model) count as beyond the range."""
-    finite = norms.detach().double().cpu().nan_to_num(nan=math.inf)
+    finite = norms.detach().cpu().double().nan_to_num(nan=math.inf)
     index = (finite * bins / range_).floor().clamp(max=bins - 1).long()
     counts = torch.bincount(index, minlength=bins).double()
     return counts + noise * stream.normal(bins, dtype=torch.float64)
@@ -191,7 +196,7 @@ class QuantileRule(ThresholdRule):
         self.release_noise = 2 * count_noise
 
     def update(self, norms: Tensor, step: int) -> None:
-        centred = float((norms <= self.threshold).sum()) - 0.5 * norms.numel()
+        centred = int((norms <= self.threshold).sum()) - 0.5 * norms.numel()
         noisy = centred + self.count_noise * float(self.stream.normal(1, dtype=torch.float64))
         unclipped = noisy / self.expected_batch_size + 0.5
         # an exponent beyond ±ln(high/low) lands on a bound anyway; limited, exp cannot overflow

@@ -21,17 +21,19 @@ temporary of the model's size), then the scale.
 
 On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``) on a core that torch's
 threads leave free: a model-sized draw from the AES-CTR stream costs as much as a whole
-non-private step of a small model (issue 15). It is drawn into the gradient buffer itself (no
-second model-sized buffer), from the end of step t (once the optimizer has read g̃_t) until
-step t + 1 first adds a clipped sum: it overlaps whatever the trial does between steps and
-step t + 1's forward pass, backward pass and norms, and the clipper's first sum waits for it
-(:class:`_AfterDraw`), making the draw's chunks that nobody has begun meanwhile
-(``workers.dp.randomness.Drawing``: the same bits, each chunk from its own place in the
-keystream). The draw is made in the trial's noise process (``workers.noise_process``), into
-the buffer, which is memory the two processes share, so that it does not take turns with the
-step on Python's GIL. Nothing the guarantee rests on changes: z_{t+1} is the stream's next
-draw, used by step t + 1 alone, of std σ_T as in line whatever C_{t+1} is (the threshold
-scales only the finished sum); a draw left over when training stops is never used.
+non-private step of a small model (issue 15). A :class:`~workers.dp.randomness.NoiseChild`
+draws it, in a process of its own and from a keystream of its own, into the gradient buffer
+itself, which the two processes share (no second model-sized buffer): from the end of step t
+(once the optimizer has read g̃_t) until step t + 1 first adds a clipped sum, which waits for
+it (:class:`_AfterDraw`). Until the child has started, and for a stream whose draws a subclass
+changes, the noise is drawn in line. Nothing the guarantee rests on changes: z_{t+1} is the
+child's next draw, made from its key and σ_T alone (before, and independent of, the data),
+used by step t + 1 alone, of std σ_T as in line whatever C_{t+1} is (the threshold scales only
+the finished sum); a draw left over when training stops is never used.
+
+No host synchronisation: norms stay on the model's device, and with a fixed threshold nothing
+leaves it during a step (``tests/workers/test_host_sync.py``); a rule that looks at the norms
+takes them to the host once, after the optimizer step (:mod:`workers.dp.adaptive`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn
 from workers.dp.optim import AdamBC, Optimizer
-from workers.dp.randomness import Drawing, SecureStream, noise_buffer
+from workers.dp.randomness import SecureStream
 
 
 class Clipper(Protocol):
@@ -72,8 +74,8 @@ class Clipper(Protocol):
 
 class _AfterDraw(Mapping[str, Tensor]):
     """The views of the gradient buffer as the clipper's ``out``: the first one asked for waits
-    until ``ready`` has put the step's noise in the buffer (the draw made beside the
-    step, see the module), so no sum is added before it."""
+    until ``ready`` has put the step's noise in the buffer (drawn in line, or ahead: see the
+    module), so no sum is added before it."""
 
     def __init__(self, views: dict[str, Tensor], ready: Callable[[], None]) -> None:
         self._views, self._ready = views, ready
@@ -126,22 +128,22 @@ class PrivateStep:
         self.optimizer, self.noise = optimizer, noise
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         device = next(iter(self.params.values())).device
-        #: drawing ahead into ``flat`` (see the module; CUDA draws on the device anyway)
-        self.draw_ahead = draw_ahead and device.type == "cpu"
         # One flat buffer holds every g̃ (parameters' ``.grad`` are views of it), allocated once
         # per trial: noise drawn into it, clipped sums added, one scaling for all. Its dtype
         # is the widest parameter dtype; a parameter of another dtype gets a converted copy.
         size = sum(p.numel() for p in self.params.values())
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params.values()))
+        #: the child drawing ahead into ``flat`` (see the module; CUDA draws on the device)
+        self.ahead = noise.child(size, dtype) if draw_ahead and device.type == "cpu" else None
         self.flat = (
-            noise_buffer(size, dtype)
-            if self.draw_ahead
+            self.ahead.flat
+            if self.ahead is not None
             else torch.zeros(size, device=device, dtype=dtype)
         )
         #: each parameter's part of the buffer, by name: what the clipper adds its sums into
         self.views = self._views(self.flat)
-        #: the next step's noise being drawn ahead
-        self.ahead: Drawing | None = None
+        #: whether the child is drawing the next step's noise
+        self.drawing = False
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -156,7 +158,7 @@ class PrivateStep:
 
     def private_gradient(self, batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
         """Set ``p.grad`` to g̃ for one logical batch; return the per-example gradient norms
-        ‖g_i‖ (all groups together), shape [|𝓑_t|]."""
+        ‖g_i‖ (all groups together), shape [|𝓑_t|], on the model's device."""
         threshold = self.rule.threshold
         # σ_T·z is drawn straight into the buffer (ahead, or when the first sum is due), the
         # clipper adds each clipped sum, its factors divided by C_t, into it as soon as it is
@@ -164,8 +166,6 @@ class PrivateStep:
         coef_fn = coefficient_fn(
             self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
         )
-        if self.draw_ahead and self.ahead is None:
-            self._draw_ahead()
         out = _AfterDraw(self.views, self._noise)
         norms: list[Tensor] = []
         for inputs, targets in batches:
@@ -174,29 +174,30 @@ class PrivateStep:
             group_norms, _ = self.clipper(
                 self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=out
             )
-            norms.append(torch.linalg.vector_norm(group_norms.detach(), dim=1).cpu())
+            norms.append(torch.linalg.vector_norm(group_norms.detach(), dim=1))
         out.settle()
         self.flat.mul_(threshold / self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
             p.grad = view if (view.dtype, view.device) == (p.dtype, p.device) else view.to(p)
-        return torch.cat(norms) if len(norms) > 1 else (norms[0] if norms else torch.zeros(0))
-
-    def _draw_ahead(self) -> None:
-        """Start drawing the next step's noise σ_T·z."""
-        self.ahead = self.noise.normal_ahead(self.flat, self.grad_noise)
+        if len(norms) == 1:
+            return norms[0]
+        return torch.cat(norms) if norms else torch.zeros(0, device=self.flat.device)
 
     def _noise(self) -> None:
-        """Put this step's noise σ_T·z in ``flat``: the draw made ahead (a failed one raises
-        here), or one made now."""
-        if self.ahead is None:
-            self.noise.normal(self.flat.numel(), out=self.flat, scale=self.grad_noise)
+        """Put this step's noise σ_T·z in ``flat``: the child's draw (asked for now if it was
+        not yet; a failed one raises here), or, until the child has started, one made here."""
+        if self.ahead is not None and (self.drawing or self.ahead.ready()):
+            if not self.drawing:
+                self.ahead.request(self.grad_noise)
+            self.drawing = False
+            self.ahead.wait()
             return
-        ahead, self.ahead = self.ahead, None
-        ahead.result()
+        self.noise.normal(self.flat.numel(), out=self.flat, scale=self.grad_noise)
 
     def step(self, batches: Iterable[tuple[Tensor, Tensor]], index: int) -> StepReport:
         """Private gradient, optimizer step, then the threshold rule's update for step t+1;
-        drawing ahead, the next step's noise starts once the optimizer has read the gradient."""
+        drawing ahead, the next step's noise is asked for once the optimizer has read the
+        gradient."""
         threshold = self.rule.threshold
         norms = self.private_gradient(batches)
         if isinstance(self.optimizer, AdamBC):
@@ -204,6 +205,7 @@ class PrivateStep:
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.rule.update(norms, index)
-        if self.draw_ahead:
-            self._draw_ahead()
+        if self.ahead is not None and self.ahead.ready():
+            self.ahead.request(self.grad_noise)
+            self.drawing = True
         return StepReport(threshold=threshold, batch_size=len(norms))

@@ -7,26 +7,27 @@ without materializing them where it can. Both implement the clipper seam
 (``workers.dp.engine.Clipper``).
 
 Each clipped sum is formed from the very per-sample gradients whose norms were taken, so an
-example's contribution c·g_i has norm c·‖g_i‖ ≤ R_m up to the rounding of one product; norms are
-accumulated in float64 and an example contributes zero to a group where its norm is not finite
-(invariant 9, see ``workers.dp.clipping``).
+example's contribution c·g_i has norm c·‖g_i‖ ≤ R_m: norms are float32 upper bounds that cover
+the rounding of the factor and of the product (``workers.dp.bounds``), and an example contributes
+zero to a group where its bound is not finite (invariant 9, see ``workers.dp.clipping``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from workers.dp import bounds
 from workers.dp.clipping import (
     CoefFn,
     GroupSpec,
+    add_clipped_sum,
     clip_factors,
-    clipped_sum,
     resolve_groups,
-    sq_norms,
     zero_rows,
 )
 
@@ -49,9 +50,11 @@ def per_sample_grads(
 
 
 def group_norms(grads: dict[str, Tensor], groups: list[list[str]]) -> Tensor:
-    """‖g_i restricted to group m‖₂ for every example i and group m, shape [B, M], float64."""
-    squares = [sum(sq_norms(grads[n]) for n in group) for group in groups]
-    return torch.stack(squares, dim=1).sqrt()
+    """Upper bounds on ‖g_i restricted to group m‖₂ for every example i and group m, shape
+    [B, M], float32 (``workers.dp.bounds.group_norms``)."""
+    return torch.stack(
+        [bounds.group_norms([bounds.row_norms(grads[n]) for n in group]) for group in groups], 1
+    )
 
 
 def clipped_grad_sum(
@@ -63,20 +66,18 @@ def clipped_grad_sum(
     coef_fn: CoefFn,
     out: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Mapping[str, Tensor]]:
-    """Per-sample norms [B, M] (float64) and Σ_i coef[i, m(name)]·g_i[name] for every
+    """Per-sample norm bounds [B, M] (float32) and Σ_i coef[i, m(name)]·g_i[name] for every
     parameter, added into ``out`` when given (else into zeros); an example adds nothing to a
-    group where its norm is not finite (its gradients there are zeroed)."""
+    group where its bound is not finite (factor 0, its gradients there zeroed)."""
     grads = per_sample_grads(model, loss_fn, inputs, targets)
     norms = group_norms(grads, groups)
     sums = out if out is not None else {name: torch.zeros_like(g[0]) for name, g in grads.items()}
+    coef = clip_factors(coef_fn, norms).T.contiguous()  # [M, B]: a group's factors in order
+    drop = (norms < math.inf).logical_not_().T.contiguous()  # [M, B]: not finite, NaN included
     for m, group in enumerate(groups):
-        coef = clip_factors(coef_fn, norms[:, m : m + 1])[:, 0]
-        keep = norms[:, m].isfinite()
-        clean = bool(keep.all())
         for name in group:
-            g = grads.pop(name)
-            rows = g if clean else zero_rows(g, keep)  # one parameter at a time
-            sums[name].add_(clipped_sum(coef, rows).detach())
+            g = grads.pop(name)  # one parameter at a time
+            add_clipped_sum(sums[name], coef[m], zero_rows(g, drop[m]).detach())
     return norms, sums
 
 

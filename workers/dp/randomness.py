@@ -35,18 +35,25 @@ would have to search, each draw independent of the others). Not torch's ``normal
 Box–Muller takes 32-bit uniforms and truncates the tails (invariant 15). Other accelerators
 draw on the host and copy.
 
-On CPU the engine may draw a step's noise ahead (:meth:`SecureStream.normal_ahead`, on a core
-that torch's threads leave free, :func:`spare_core`): see ``workers.dp.engine.PrivateStep``. It
-is drawn in the trial's noise process (``workers.noise_process``: a thread beside the step
-would take turns with it on Python's GIL), straight into the gradient buffer they share.
+On CPU the engine may draw a step's noise ahead, on a core that torch's threads leave free
+(:func:`spare_core`): a :class:`NoiseChild` draws it in a process of its own, under a key of
+its own, into the gradient buffer the two share (``workers.dp.engine.PrivateStep``). A
+process, not a thread: a draw is a few dozen numpy and OpenSSL calls, each taking Python's GIL
+back from a step made of hundreds of small torch calls, and on the 2-core reference machine a
+draw on a thread slowed the mlp's step 1.19–1.59×, in a process 1.02–1.07×
+(``docs/speed-history.md``).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import select
+import subprocess
+import sys
+import tempfile
+import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,9 +61,7 @@ from torch import Tensor
 
 from core.entropy import Keystream, secure_generator
 from workers.dp.normal import ANGLE_BYTES, normal_
-from workers.gaussian import BoxMuller
-from workers.noise_process import current as current_noise_process
-from workers.noise_process import noise_process
+from workers.gaussian import MADE, READY, draw
 
 #: torch's CPU generator state (``CPUGeneratorImplState`` in ATen's ``CPUGeneratorImpl.cpp``,
 #: 5,056 bytes): its mt19937's seed, ``left``, ``seeded``, ``next`` and the 624 32-bit words of
@@ -69,8 +74,11 @@ _CPU_STATE = np.dtype(
         "itemsize": 5056,
     }
 )
-#: the process that owns it, and the thread that draws noise ahead in that process
-_noise_thread: tuple[int, ThreadPoolExecutor] | None = None
+#: the child's program (``workers.gaussian.serve``): its arguments are the shared file's
+#: descriptor, the buffer's size and its numpy dtype
+_SERVE = (
+    "import sys; from workers.gaussian import serve; serve(*map(int, sys.argv[1:3]), sys.argv[3])"
+)
 
 
 class SecureStream:
@@ -122,27 +130,17 @@ class SecureStream:
         (``workers.gaussian``)."""
         if out.dtype not in ANGLE_BYTES:  # half precision: drawn in float32, then rounded
             return out.copy_(self._box_muller(torch.empty(len(out)), scale))
-        BoxMuller(self.keystream, out.detach().numpy(), scale).run()
+        draw(self.keystream, out.detach().numpy(), scale)
         return out
 
-    def normal_ahead(self, out: Tensor, scale: float = 1.0) -> Drawing:
-        """Start drawing normals of standard deviation ``scale`` into the contiguous tensor
-        ``out`` beside the caller: :meth:`normal`'s draw, to the bit. Into a buffer shared with
-        the noise process (:func:`noise_buffer`), the draw is made there once that process has
-        started; else on this process's one noise thread (its trials run one at a time). A
-        subclass that changes :meth:`normal` (the audit's scaled noise) draws through it on the
-        thread, and whoever waits for that draw only waits; a keystream of a subclass (a test's
-        double) is read in this process."""
-        plain = type(self).normal is SecureStream.normal and out.is_contiguous()
-        if not plain or out.device.type != "cpu" or out.dtype not in ANGLE_BYTES:
-            drawn = _drawing_thread().submit(self.normal, out.shape, out=out, scale=scale)
-            return Drawing(out, _OnThread(None, drawn))
-        flat, process = out.detach().view(-1).numpy(), current_noise_process()
-        shared = process is not None and process.shares(flat) and process.ready()
-        if shared and type(self.keystream) is Keystream:
-            return Drawing(out, process.draw(self.keystream, flat, scale))
-        draw = BoxMuller(self.keystream, flat, scale)
-        return Drawing(out, _OnThread(draw, _drawing_thread().submit(draw.run)))
+    def child(self, size: int, dtype: torch.dtype) -> NoiseChild | None:
+        """A :class:`NoiseChild` that draws this kind of noise ahead into a CPU buffer of
+        ``size`` values of ``dtype``; None where it cannot: half precision, an empty buffer,
+        and a subclass that changes :meth:`normal` (the audit's scaled noise), whose draws
+        must go through it."""
+        if type(self).normal is not SecureStream.normal or size == 0 or dtype not in ANGLE_BYTES:
+            return None
+        return NoiseChild(size, dtype)
 
     def integers(self, high: int) -> int:
         """A uniform integer in [0, high)."""
@@ -160,71 +158,108 @@ class SecureStream:
         return generator
 
 
-class Drawing:
-    """Normals being drawn into ``out`` beside the step
-    (:meth:`SecureStream.normal_ahead`). :meth:`result` waits for them, and meanwhile makes
-    the draw's chunks not yet begun: whoever asks for noise that is not ready has nothing else
-    to do, and on a spare core the two halve what is left (``workers.dp.engine``: logreg's step
-    at B = 64 waited for its draw)."""
-
-    def __init__(self, out: Tensor, pending: _Pending) -> None:
-        self.out, self._pending = out, pending
-
-    def done(self) -> bool:
-        return self._pending.done()
-
-    def result(self, timeout: float | None = None) -> Tensor:
-        """``out`` once drawn (the error of the part made elsewhere, if it failed)."""
-        self._pending.finish(timeout)
-        return self.out
+class NoiseChildError(RuntimeError):
+    """The noise child failed a draw (its error is in the log), or is gone."""
 
 
-class _Pending(Protocol):
-    def done(self) -> bool: ...
+class NoiseChild:
+    """A process that draws a trial's Gaussian noise into the zeroed CPU buffer :attr:`flat`,
+    which the two share, one draw per :meth:`request`. It makes its own keystream, under a key
+    freshly drawn from its own OS entropy that never leaves it (``workers.gaussian.serve``):
+    this process never reads those bytes, nor the child this process's. Started with the
+    buffer, it imports numpy and ``cryptography``, not torch (about 0.2 s; :meth:`ready` says
+    when), and exits when the buffer's owner is gone (its stdin closes).
 
-    def finish(self, timeout: float | None) -> None: ...
+    Not a ``multiprocessing`` child: spawning one runs the parent's ``__main__`` again (a Ray
+    worker's, which imports Ray), and forking a threaded torch process is unsafe."""
+
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        numpy_dtype = np.dtype(np.float32 if dtype == torch.float32 else np.float64)
+        nbytes, shared = size * numpy_dtype.itemsize, _shared_zeros(size * numpy_dtype.itemsize)
+        try:
+            memory = mmap.mmap(shared, nbytes)
+            path = os.pathsep.join(filter(None, sys.path))
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _SERVE, str(shared), str(size), numpy_dtype.str],
+                pass_fds=[shared],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env={**os.environ, "PYTHONPATH": path},
+            )
+        finally:
+            os.close(shared)
+        self.flat = torch.from_numpy(np.frombuffer(memory, dtype=numpy_dtype))
+        self._started = self._asked = False
+        weakref.finalize(self, _close, self._process)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def ready(self) -> bool:
+        """Whether the child has started (it reads requests only then); never blocks."""
+        if not self._started:
+            replies = self._process.stdout
+            assert replies is not None
+            readable, _, _ = select.select([replies], [], [], 0)
+            self._started = bool(readable) and self._reply() == READY
+        return self._started
+
+    def request(self, scale: float) -> None:
+        """Have the child draw the next normals of standard deviation ``scale`` into
+        :attr:`flat` (which nothing may touch until :meth:`wait` returns)."""
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(f"{scale!r}\n".encode())
+        except OSError as error:
+            raise self._gone() from error
+        self._asked = True
+
+    def wait(self) -> None:
+        """Wait until the draw requested last is in :attr:`flat` (at once if it was waited
+        for already)."""
+        if not self._asked:
+            return
+        self._asked = False
+        if self._reply() != MADE:
+            raise NoiseChildError("the noise child failed a draw (its error is in the log)")
+
+    def _reply(self) -> bytes:
+        assert self._process.stdout is not None
+        reply = os.read(self._process.stdout.fileno(), 1)
+        if not reply:
+            raise self._gone()
+        return reply
+
+    def _gone(self) -> NoiseChildError:
+        return NoiseChildError(f"the noise child exited (code {self._process.wait()})")
 
 
-class _OnThread:
-    """A draw on the process's noise thread; ``draw`` if this thread may make chunks of it."""
-
-    def __init__(self, draw: BoxMuller | None, future: Future[Any]) -> None:
-        self._draw, self._future = draw, future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def finish(self, timeout: float | None) -> None:
-        if self._draw is not None and not self._future.done():
-            self._draw.run()
-        self._future.result(timeout)
+def _shared_zeros(nbytes: int) -> int:
+    """A descriptor of ``nbytes`` zeros that a child can map: anonymous memory on Linux
+    (``memfd_create``, which no tmpfs's size limits), elsewhere (macOS) an unlinked temporary
+    file."""
+    if hasattr(os, "memfd_create"):
+        shared = os.memfd_create("dptune-noise")
+    else:
+        shared, path = tempfile.mkstemp()
+        os.unlink(path)
+    os.ftruncate(shared, nbytes)
+    return shared
 
 
-def noise_buffer(size: int, dtype: torch.dtype) -> Tensor:
-    """Zeros for a CPU buffer that noise is drawn ahead into (:meth:`SecureStream.
-    normal_ahead`), in memory shared with the noise process (``workers.noise_process``), so
-    that the draw is made there, beside the step, without taking this process's GIL."""
-    if dtype not in ANGLE_BYTES or size == 0:
-        return torch.zeros(size, dtype=dtype)
-    numpy_dtype = np.dtype(np.float32 if dtype == torch.float32 else np.float64)
-    return torch.from_numpy(noise_process().shared_zeros(size, numpy_dtype))
-
-
-def _drawing_thread() -> ThreadPoolExecutor:
-    """This process's one noise thread (its trials run one at a time), made on first use. A
-    forked child inherits the parent's executor but not its thread, and work queued there
-    would never run, so a child makes its own."""
-    global _noise_thread
-    if _noise_thread is None or _noise_thread[0] != os.getpid():
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dptune-noise")
-        _noise_thread = (os.getpid(), pool)
-    return _noise_thread[1]
+def _close(process: subprocess.Popen[bytes]) -> None:
+    """Close the child's pipes: it reads the end of its requests and exits."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 def spare_core() -> bool:
     """Whether this process may run on more cores than torch's threads use (a trial sets them
-    to its CPU request): only then does drawing noise ahead (:meth:`SecureStream.normal_ahead`)
-    run beside the step rather than take turns with it."""
+    to its CPU request): only then does a :class:`NoiseChild` draw beside the step rather
+    than take turns with it."""
     affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return cores > torch.get_num_threads()

@@ -23,11 +23,13 @@ convolutions over many positions: see ``LayerRule.keeps_per_sample``) form them 
 ``∂L/∂s`` and drop ``a`` and ``∂L/∂s``. Norms and sums then come from the very same per-sample
 tensors, so they agree in any precision.
 
-Hostile records (docs/design.md, invariant 9): norms are float64 (``layers.py`` explains the
-guard that keeps norms over several positions an upper bound on what is summed); an example gets
-clip factor 0 in a group where its norm is not finite, and its rows of a layer's ``a``,
-``∂L/∂s``, kept per-sample gradients and ``torch.func`` gradients are zeroed before any product
-(0·NaN = NaN) when its norm is not finite in any group of that layer's parameters.
+Hostile records (docs/design.md, invariant 9): norms are float32 upper bounds
+(``workers.dp.bounds``; ``layers.py`` explains the guard that keeps norms over several positions
+an upper bound on what is summed); an example gets clip factor 0 in a group where its bound is
+not finite, and its rows of a layer's ``a``, ``∂L/∂s``, kept per-sample gradients and
+``torch.func`` gradients are zeroed (``torch.where``: branch-free, no step waits on the host
+to see them) before any product (0·NaN = NaN) when its bound is not finite in any group of that
+layer's parameters.
 
 Parameters of any other module (recurrent layers, attention modules using raw parameters, layers
 that share a parameter, modules whose parameters are used without calling them) get exact
@@ -54,11 +56,18 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.func import functional_call, grad, vmap
 
-from workers.dp.clipping import CoefFn, clip_factors, clipped_sum, factors_as, sq_norms, zero_rows
+from workers.dp import bounds
+from workers.dp.bounds import Bound
+from workers.dp.clipping import CoefFn, add_clipped_sum, clip_factors, factors_as, zero_rows
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
+
+#: ``rows`` of ``add_sums``: examples ``part`` (all by default) of a tensor, dropped ones zeroed
+Rows = Callable[..., Tensor]
+#: the most bytes of a layer's book-kept inputs zeroed at once (``_Layer.add_sums``)
+MASK_CHUNK_BYTES = 1 << 19
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
 #: only when its leading size differs from B (see the module docstring)
@@ -96,31 +105,48 @@ class _Layer:
     def names(self) -> list[str]:
         return list(self.params.values())
 
-    def squares(self) -> dict[str, Tensor]:
-        """Per-sample squared norm [B] (float64) of each of its parameters, by full name."""
+    def bounds(self) -> dict[str, Bound]:
+        """A bound on the per-sample norm of each of its parameters, by full name."""
         if self.kept is not None:
-            by_attr = {attr: sq_norms(g) for attr, g in self.kept.items()}
+            by_attr = {attr: bounds.row_norms(g) for attr, g in self.kept.items()}
         else:
-            by_attr = self.rule.sq_norms(self.module, self.calls)
+            by_attr = self.rule.norms(self.module, self.calls)
         return {self.params[attr]: value for attr, value in by_attr.items()}
 
-    def add_sums(
-        self, coef: _Factors, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
-    ) -> None:
+    def add_sums(self, coef: _Factors, rows: Rows, out: Mapping[str, Tensor]) -> None:
         """Add the clipped sums of its parameters into ``out``, for factors ``coef`` (both by
-        full name), from its tensors passed through ``rows`` (which zeroes dropped examples)."""
+        full name), from its tensors passed through ``rows`` (which zeroes dropped examples).
+
+        Zeroing copies what it zeroes, so a rank-one layer's book-kept inputs of more than
+        ``MASK_CHUNK_BYTES`` (logreg's and the mlp's wide first layer, whose one product is
+        otherwise its only transient) are zeroed and summed a slice of examples at a time: a
+        clipped sum is a sum over examples. Other layers' own temporaries (patches, positions)
+        outweigh the copy, and slicing them would only add operations (kernel launches)."""
         if self.kept is not None:
             for attr, g in self.kept.items():
                 name = self.params[attr]
-                out[name].add_(clipped_sum(coef.as_dtype(name, g.dtype), rows(g)))
+                add_clipped_sum(out[name], coef.as_dtype(name, g.dtype), rows(g))
             return
-        calls = [Call(rows(c.activation), rows(c.grad)) for c in self.calls]
-        self.rule.add_sums(
-            self.module,
-            calls,
-            {attr: coef[name] for attr, name in self.params.items()},
-            {attr: out[name] for attr, name in self.params.items()},
+        batch = self.calls[0].grad.shape[0]
+        size = sum(c.activation.numel() * c.activation.element_size() for c in self.calls)
+        flat = all(c.activation.dim() == 2 for c in self.calls)
+        step = (
+            batch
+            if not flat or size <= MASK_CHUNK_BYTES
+            else max(1, batch * MASK_CHUNK_BYTES // size)
         )
+        for start in range(0, batch, step):
+            part = slice(start, start + step)
+            cut: dict[int, Tensor] = {}  # one slice a group: rules see shared factors as one
+            self.rule.add_sums(
+                self.module,
+                [Call(rows(c.activation, part), rows(c.grad, part)) for c in self.calls],
+                {
+                    attr: cut.setdefault(id(coef[name]), coef[name][part])
+                    for attr, name in self.params.items()
+                },
+                {attr: out[name] for attr, name in self.params.items()},
+            )
 
     def release(self) -> None:
         self.inputs.clear()
@@ -138,14 +164,12 @@ class _Fallback:
     def names(self) -> list[str]:
         return list(self.grads)
 
-    def squares(self) -> dict[str, Tensor]:
-        return {name: sq_norms(g) for name, g in self.grads.items()}
+    def bounds(self) -> dict[str, Bound]:
+        return {name: bounds.row_norms(g) for name, g in self.grads.items()}
 
-    def add_sums(
-        self, coef: _Factors, rows: Callable[[Tensor], Tensor], out: Mapping[str, Tensor]
-    ) -> None:
+    def add_sums(self, coef: _Factors, rows: Rows, out: Mapping[str, Tensor]) -> None:
         for name, g in self.grads.items():
-            out[name].add_(clipped_sum(coef.as_dtype(name, g.dtype), rows(g)))
+            add_clipped_sum(out[name], coef.as_dtype(name, g.dtype), rows(g))
 
     def release(self) -> None:
         self.grads.clear()
@@ -168,12 +192,12 @@ class _Groups:
         out: Mapping[str, Tensor],
     ) -> None:
         self.group_of, self.coef_fn, self.out = group_of, coef_fn, out
-        self.squares: list[list[Tensor]] = [[] for _ in groups]  # by group: squares [B] taken
+        self.bounds: list[list[Bound]] = [[] for _ in groups]  # by group: norm bounds taken
         self.norms: dict[int, Tensor] = {}  # by group, once it is clipped: its norms [B]
         self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
         self.coef: dict[int, Tensor] = {}
         self.converted: dict[tuple[int, torch.dtype], Tensor] = {}  # ``factors``, by dtype
-        self.finite: dict[int, bool] = {}  # whether every example's norm is finite, by group
+        self.dropped: dict[tuple[int, ...], Tensor] = {}  # ``_drop``, by set of groups
         self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
         self.measured: list[_Layer | _Fallback] = []  # norms taken, sums not added yet
 
@@ -188,8 +212,8 @@ class _Groups:
         if not complete:
             return
         for other in [u for u in self.arrived if self._groups(u) & complete]:
-            for name, square in other.squares().items():
-                self.squares[self.group_of[name]].append(square)
+            for name, bound in other.bounds().items():
+                self.bounds[self.group_of[name]].append(bound)
             self.arrived.remove(other)
             self.measured.append(other)
         for m in complete:
@@ -197,18 +221,12 @@ class _Groups:
         self.measured = [u for u in self.measured if not self._sum(u)]
 
     def _clip(self, m: int) -> None:
-        """Group ``m``'s norms, its clip factors, and whether all its norms are finite.
-
-        Its squares are added in one reduction, and its norms checked by their sum: a finite
-        float64 norm is below 1.4e154, so B of them add up to a finite sum, and a NaN or an
-        infinite one makes it NaN or infinite. Each small tensor operation costs a CPU step
-        several microseconds, more than the arithmetic on these [B]-sized tensors."""
-        parts = self.squares[m]
-        norms = (parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)).sqrt()
+        """Group ``m``'s norm bounds (``workers.dp.bounds.group_norms``) and clip factors."""
+        parts = self.bounds[m]
+        norms = bounds.group_norms(parts)
         parts.clear()
         self.norms[m] = norms
         self.coef[m] = clip_factors(self.coef_fn, norms.unsqueeze(1))[:, 0]
-        self.finite[m] = bool(norms.sum() < math.inf)
 
     def factors(self, m: int, dtype: torch.dtype) -> Tensor:
         """Group ``m``'s clip factors in ``dtype`` (``factors_as``), converted once a clipper
@@ -221,29 +239,41 @@ class _Groups:
 
     def _sum(self, unit: _Layer | _Fallback) -> bool:
         """Add ``unit``'s clipped sums to ``out`` if all its groups are clipped."""
-        groups = sorted(self._groups(unit))
+        groups = tuple(sorted(self._groups(unit)))
         if any(m not in self.coef for m in groups):
             return False
-        # which examples add to the sums: all, unless some norm of these groups is not finite
-        keep = None
-        if not all(self.finite[m] for m in groups):
-            keep = torch.stack([self.norms[m] for m in groups]).isfinite().all(0)
-
-        def rows(x: Tensor) -> Tensor:
-            return x if keep is None or not x.is_floating_point() else zero_rows(x, keep)
-
-        unit.add_sums(_Factors(self, unit.names), rows, self.out)
+        drop = self._drop(groups)
+        unit.add_sums(_Factors(self, unit.names), _zeroing(drop), self.out)
         unit.release()
         return True
+
+    def _drop(self, groups: tuple[int, ...]) -> Tensor:
+        """Which examples' norm is not finite (NaN included) in some group of ``groups`` [B]
+        (bool), formed once a call for each set of groups a unit spans (under all-layer
+        clipping: once)."""
+        if groups not in self.dropped:
+            finite = [self.norms[m] < math.inf for m in groups]
+            keep = finite[0] if len(finite) == 1 else torch.stack(finite).all(0)
+            self.dropped[groups] = keep.logical_not_()
+        return self.dropped[groups]
 
     def done(self) -> Tensor:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
-        return torch.stack([self.norms[m] for m in range(len(self.squares))], 1)
+        return torch.stack([self.norms[m] for m in range(len(self.bounds))], 1)
+
+
+def _zeroing(drop: Tensor) -> Rows:
+    """``rows`` of a unit's ``add_sums``: examples ``part`` of a tensor, the dropped zeroed."""
+
+    def rows(x: Tensor, part: slice = slice(None)) -> Tensor:
+        return zero_rows(x[part], drop[part])
+
+    return rows
 
 
 class _Factors(Mapping[str, Tensor]):
-    """A unit's clip factors by parameter name: float64, as clipped (``coef[name]``), and in a
+    """A unit's clip factors by parameter name: float32, as clipped (``coef[name]``), and in a
     per-sample tensor's dtype (``as_dtype``), converted once a call for each group and dtype.
     ``clipped_sum`` converted them for each parameter: two operations, two kernel launches
     on a GPU, for each of the transformer's 28 parameters with kept per-sample gradients."""
@@ -485,7 +515,8 @@ def clipped_grad_sum(
     the sums added into ``out`` when given (``workers.dp.engine.Clipper``).
 
     Same contract and results as the general ``torch.func`` path (``workers/dp/grads.py``);
-    norms are float64, and an example adds nothing to a group where its norm is not finite.
+    norms are float32 upper bounds, and an example adds nothing to a group where its bound is not
+    finite.
     """
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     group_of = _group_index(groups, params)
@@ -493,7 +524,7 @@ def clipped_grad_sum(
     batch = inputs.shape[0]
     if batch == 0:  # an empty Poisson batch: zero sums, and coef_fn sees it as on the general path
         norms = torch.zeros(
-            0, len(groups), dtype=torch.float64, device=next(iter(params.values())).device
+            0, len(groups), dtype=torch.float32, device=next(iter(params.values())).device
         )
         coef_fn(norms)
         return norms, sums

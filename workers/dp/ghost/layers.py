@@ -1,4 +1,4 @@
-"""Per-layer rules of the fast path: per-sample squared gradient norms and clipped sums.
+"""Per-layer rules of the fast path: bounds on per-sample gradient norms, and clipped sums.
 
 Every rule sees, for one module, the inputs ``a`` it was called with and the gradients ``g`` of
 the summed loss with respect to its outputs (``g_i = ∂L_i/∂s_i``: sample i's output depends on
@@ -17,16 +17,12 @@ LayerNorm / GroupNorm and all biases have small per-sample gradients, instantiat
 A module called several times in one forward (a shared layer) receives the sum of its calls'
 gradients, so its calls are concatenated along the position axis T before any norm is taken.
 
-Floating point. The clipped sum of a weight matrix is not formed from the per-sample gradient
-whose norm is taken, so norm and sum must agree closely enough that no example's contribution
-exceeds its bound (issue 17, item 8). With one position (T = 1) the gradient g aᵀ is rank one:
-its norm is ‖a‖·‖g‖ (no cancellation; ``sq_norms`` bounds each factor from above, a few parts
-per million over) and each entry of its contribution is a single product, so the parameter
-dtype serves for the sum. With T > 1 positions, Σ_t g_t a_tᵀ can
-cancel: inputs M·v and M·v + δ with output gradients +w and -w give -w δᵀ, and in float32 the
-ghost norm of such an example is rounding noise while the sum, by another route, is not. There
-the norm (ghost or instantiated) and the sum are both computed in float64, and the norm gets a
-rounding guard (``positions_sq_norms``) that makes the argument rigorous.
+Floating point. Every norm is a float32 upper bound (``workers.dp.bounds``: the error analysis).
+The clipped sum of a weight matrix is not formed from the per-sample gradient whose norm is
+taken, so the bound must also cover what the sum adds for an example (issue 17, item 8). With
+one position (T = 1) the gradient g aᵀ is rank one: its norm is ‖a‖·‖g‖ (no cancellation) and
+each entry of its contribution is two products. With T > 1 positions, Σ_t g_t a_tᵀ can cancel;
+there the norm gets a rounding guard (``positions_norms``) that makes the argument rigorous.
 """
 
 from __future__ import annotations
@@ -42,15 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.dp.clipping import U64, clipped_sum, sq_norms
+from workers.dp import bounds
+from workers.dp.bounds import Bound
+from workers.dp.clipping import add_clipped_sum
 
 # Most float elements a transient tensor (unfolded patches, Gram matrices, instantiated
 # per-sample weight gradients) may hold; larger batches are processed in chunks of samples.
 CHUNK_ELEMENTS = 1 << 24
-# Most (sample, position) rows one float64 book-keeping reduction adds up (a sample with more
-# positions is reduced alone): this bounds the n of the reduction's rounding error, see
-# ``rounding_slack``.
-SUM_ROWS = 1 << 16
+# Most (sample, position) rows one book-keeping product adds up (a sample with more positions is
+# reduced alone): this bounds the n of the sum's rounding error, see ``positions_norms``.
+SUM_ROWS = 1 << 12
 # Most elements of the patches one batched matmul of per-sample convolution gradients copies at
 # once (``_matmul_per_sample``): a few samples, about a megabyte in float32.
 PATCH_CHUNK = 1 << 18
@@ -89,116 +86,122 @@ def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim)
 
 
+def _sum_rows(positions: int) -> int:
+    """The most (sample, position) rows one chunk of ``_sum_chunks`` may add up, whatever the
+    batch: an example's norm bound, and so its clip factor, must not depend on the other
+    examples (nor on how many there are), or adding one record would change the others'
+    contributions."""
+    return max(positions, SUM_ROWS)
+
+
 def _sum_chunks(batch: int, positions: int, elements: int) -> list[slice]:
-    """Chunks of samples for a float64 book-keeping sum: bounded float64 copies of a sample's
-    inputs and output gradients (``elements`` of them a sample) and at most max(T,
-    ``SUM_ROWS``) (sample, position) rows."""
+    """Chunks of samples for a book-keeping sum: bounded copies of a sample's inputs and output
+    gradients (``elements`` of them a sample) and at most max(T, ``SUM_ROWS``) (sample, position)
+    rows."""
     step = max(1, min(CHUNK_ELEMENTS // max(1, elements), SUM_ROWS // positions))
     return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
 
 
-def rounding_slack(positions: int, norm_length: int) -> float:
-    """κ of the rounding guard ``κ·S_i²`` added to a squared norm over T > 1 positions.
+def positions_norms(a: Tensor, g: Tensor) -> Bound:
+    """A bound on the per-sample norm of the gradient of G maps applied at T positions,
+    ``(Σ_k ‖Σ_t g_{t,k} a_{t,k}ᵀ‖_F²)^½``, for ``a`` [B, G, T, d] and ``g`` [B, G, T, p], that
+    also covers what ``positions_sum`` adds for a sample beyond it.
 
-    ``norm_length`` is the n of the norm's own rounding bound (see ``positions_sq_norms``); the
-    sum adds n ≤ max(T, ``SUM_ROWS``) terms per entry. The constant 3 covers γ_n ≤ 1.01·n·u
-    (n·u ≤ 0.01), the rounding of S_i and of c_i·g_t.
-    """
-    return 3 * U64 * (norm_length + 2 * max(positions, SUM_ROWS))
-
-
-def positions_sq_norms(a: Tensor, g: Tensor) -> Tensor:
-    """Per-sample squared norm [B] (float64) of the gradient of G maps applied at T positions,
-    ``Σ_k ‖Σ_t g_{t,k} a_{t,k}ᵀ‖_F²``, for ``a`` [B, G, T, d] and ``g`` [B, G, T, p], made an
-    upper bound on the square of what ``positions_sum`` adds for a sample.
-
-    T = 1: an upper bound on (‖a‖·‖g‖)², from upper bounds on both factors (``sq_norms``:
-    about 4 parts per million over in float32); the sum forms each entry of c·g aᵀ as one
-    product in the parameter dtype, so it exceeds c·‖a‖·‖g‖ by at most two roundings (1.2e-7
-    in float32).
-    T > 1: ghost norm or instantiation (by ``use_ghost``) in float64 plus the guard κ·S_i²,
-    S_i = Σ_t ‖a_t‖·‖g_t‖. Why this suffices (Higham, *Accuracy and Stability of Numerical
-    Algorithms*, §3.1: a float64 dot product or sum of n terms x_k, evaluated in any order, has
-    error ≤ γ_n·Σ|x_k|, γ_n = nu/(1 − nu), u = 2^-53; matrix products are such dot products on
-    CPU and GPU BLAS alike, with no Strassen-like or reduced-precision algorithm in float64):
-
-    - ghost: entries of a aᵀ and g gᵀ are dot products of length d and p with error
-      ≤ γ_d‖a_t‖‖a_s‖ and γ_p‖g_t‖‖g_s‖; the T² products then summed give an error of at most
-      (γ_d + γ_p + γ_{T²} + O(u²))·Σ_{t,s}‖a_t‖‖a_s‖‖g_t‖‖g_s‖ = γ_{d+p+T²+1}·S_i²;
-    - instantiation: each entry of Σ_t g_t a_tᵀ is a length-T dot product, so the computed
-      matrix is within γ_T·S_i of the exact one (Frobenius), and squaring and summing its p·d
-      entries loses γ_{pd}; together ≤ γ_{2T+pd+1}·S_i² on the squared norm;
-    - the sum (paper 002 eq. 3, book-keeping of Bu et al. 2022: Σ_i c_i Σ_t g_t a_tᵀ) adds, in
-      float64, at most n_s ≤ max(T, ``SUM_ROWS``) terms c_i·g_t a_tᵀ per entry, so sample i's
-      part of it is within γ_{n_s+1}·c_i·S_i of c_i·G_i, G_i its exact gradient.
-
-    With ‖G_i‖ ≤ S_i (triangle inequality), ν_i² = computed‖G_i‖² + κ·S_i² ≥ (‖G_i‖ + γ·S_i)²
-    once κ ≥ γ_norm + 2γ_{n_s+1} + γ_{n_s+1}² (``rounding_slack``), so every clipping function
-    (c_i·ν_i ≤ R_m) keeps c_i·(‖G_i‖ + γ·S_i) ≤ R_m: what is actually added for sample i stays
-    within its bound, however much its terms cancel. For ordinary data κ ≈ 1e-10 and S_i/‖G_i‖
-    is moderate, so the guard moves norms by far less than 1e-6 relative. What remains is the
-    float64 → float32 rounding of the finished sum and the adding of chunk partial sums, whose
-    terms are already clipped contributions: the usual rounding of a sum of bounded terms.
+    T = 1: rank one, ‖a‖·‖g‖ per map (``workers.dp.bounds.product``); the sum forms each entry of
+    c·g aᵀ as two products, covered by ``bounds.CLIP_ROUNDINGS``.
+    T > 1: ghost norm or instantiation (by ``use_ghost``) in float32 plus a guard κ·S_i²,
+    S_i = Σ_t ‖a_t‖·‖g_t‖ ≥ ‖G_i‖, that covers both the norm's rounding and the clipped sum's
+    (``bounds.ghost_guard``, ``bounds.instantiated_guard``): every clipping function (c_i·ν_i ≤
+    R_m) keeps c_i·(‖G_i‖ + γ·S_i) ≤ R_m, so what is actually added for sample i stays within its
+    bound however much its terms cancel (inputs M·v and M·v + δ with output gradients +w and −w
+    give −w δᵀ, whose float32 ghost norm is rounding noise). For ordinary data κ ≈ 5·10⁻⁴ and
+    S_i/‖G_i‖ is moderate. What remains is the adding of chunk partial sums, whose terms are
+    already clipped contributions: the usual rounding of a sum of bounded terms.
     """
     batch, groups, positions, d = a.shape
     p = g.shape[-1]
-    if positions == 1:  # ‖a‖²·‖g‖² per map, each bounded from above (``sq_norms``)
-        sq_a, sq_g = (sq_norms(x[:, :, 0].flatten(0, 1)).view(batch, groups) for x in (a, g))
-        return (sq_a * sq_g).sum(1)
+    rows = _sum_rows(positions)
+    if positions == 1:
+        a_norms, g_norms = (bounds.row_norms(x[:, :, 0].flatten(0, 1)) for x in (a, g))
+        return bounds.over_maps(bounds.product(a_norms, g_norms), groups)
     ghost = use_ghost(positions, d, p)
     transient = positions * positions if ghost else p * d
-    out = [
-        _guarded_sq_norms(a[part].double(), g[part].double(), ghost).sum(1)
+    squares = [
+        _guarded_squares(a[part], g[part], ghost, rows)
         for part in _chunks(batch, groups * (positions * (d + p) + transient))
     ]
-    return _cat(out, 0)
+    return bounds.from_squares(_cat(squares, 0), bounds.guarded_scale(groups))
 
 
-def _guarded_sq_norms(a: Tensor, g: Tensor, ghost: bool) -> Tensor:
-    """``positions_sq_norms`` of one chunk of float64 samples, per map: [b, G]."""
-    positions, d, p = a.shape[-2], a.shape[-1], g.shape[-1]
-    spread = torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)
+def _guarded_squares(a: Tensor, g: Tensor, ghost: bool, sum_rows: int) -> Tensor:
+    """The guarded squares ν² [b] of ``positions_norms`` of one chunk of samples, its G maps'
+    added."""
+    d, p = a.shape[-1], g.shape[-1]
+    spread, scale = bounds.spread(
+        torch.linalg.vector_norm(a, dim=-1), torch.linalg.vector_norm(g, dim=-1), d, p
+    )
     if ghost:
-        return _ghost_sq_norms(a @ a.mT, g, spread.sum(-1), d)
-    sq = (g.mT @ a).square().sum((-2, -1))
-    return sq + rounding_slack(positions, 2 * positions + p * d + 1) * spread.sum(-1).square()
+        return _ghost_squares(a @ a.mT, g, spread, scale, d, sum_rows)
+    rows = (g.mT @ a).flatten(-2)  # [b, G, p·d]: the instantiated gradients
+    unit = bounds.matmul_unit(a.device)
+    squares = _instantiated(
+        rows.flatten(0, 1), spread.flatten(), scale, a.shape[-2], sum_rows, unit
+    )
+    return squares.view(spread.shape).sum(-1)
 
 
-def _ghost_sq_norms(gram_a: Tensor, g: Tensor, spread: Tensor, d: int) -> Tensor:
-    """The guarded ghost norm [b, G] of ``positions_sq_norms`` from the Gram matrices of the
-    inputs a_t·a_s [b, G, T, T] (overwritten), each entry within γ_d·‖a_t‖‖a_s‖ of the exact
-    one, the float64 output gradients [b, G, T, p] and S_i = Σ_t ‖a_t‖·‖g_t‖ [b, G]."""
+def _instantiated(
+    rows: Tensor, spread: Tensor, scale: float, positions: int, sum_rows: int, unit: float
+) -> Tensor:
+    """Guarded squares [n] of ``positions_norms`` from instantiated gradients ``rows`` [n, …]
+    whose entries are sums of at most T terms of unit ``unit`` (``bounds.instantiated_guard``),
+    and the spread Ŝ [n] with its scale; ``sum_rows``: the most rows a chunk of the clipped
+    sum adds (``_sum_rows``)."""
+    norm = bounds.raised(bounds.row_norms(rows))
+    guard = bounds.instantiated_guard(positions, sum_rows, unit) * scale * scale
+    return torch.addcmul(
+        norm.value.square().mul_(bounds.up32((1 + bounds.ETA) * norm.scale**2)),
+        spread,
+        spread,
+        value=bounds.up32(guard),
+    )
+
+
+def _ghost_squares(
+    gram_a: Tensor, g: Tensor, spread: Tensor, scale: float, d: int, sum_rows: int
+) -> Tensor:
+    """The guarded ghost squares [b] of ``positions_norms`` (G maps added) from the Gram matrices
+    of the inputs a_t·a_s [b, G, T, T] (overwritten; each entry a dot product of at most d terms,
+    as ``ConvRule._pixel_norms`` forms them too), the output gradients [b, G, T, p], the
+    spread Ŝ [b, G] with its scale (``bounds.spread``) and the most rows a chunk of the clipped
+    sum adds (``_sum_rows``)."""
     positions, p = g.shape[-2], g.shape[-1]
+    kappa = bounds.ghost_guard(d, p, positions, sum_rows, bounds.matmul_unit(g.device))
     sq = gram_a.mul_(g @ g.mT).sum((-2, -1)).clamp_min_(0.0)
-    return sq + rounding_slack(positions, d + p + positions * positions + 1) * spread.square()
+    return torch.addcmul(sq, spread, spread, value=bounds.up32(kappa * scale * scale)).sum(-1)
 
 
 def positions_sum(a: Tensor, g: Tensor, coef: Tensor) -> Tensor:
     """``Σ_i coef[i] Σ_t g_{i,t,k} a_{i,t,k}ᵀ`` [G, p, d] for ``a`` [B, G, T, d], ``g``
-    [B, G, T, p]: in ``g``'s dtype for one position (rank one), else in float64 by chunks of
-    samples whose partial sums are added (see ``positions_sq_norms``)."""
+    [B, G, T, p], in ``g``'s dtype: for T > 1 by chunks of at most ``SUM_ROWS`` (sample, position)
+    rows whose partial sums are added (see ``positions_norms``)."""
     batch, groups, positions, d = a.shape
     p = g.shape[-1]
     if positions == 1:
         return torch.einsum("bkp,bkd->kpd", _scaled(g[:, :, 0], coef), a[:, :, 0])
-    total = torch.zeros(groups, p, d, dtype=torch.float64, device=a.device)
-    for part in _sum_chunks(batch, positions, positions * groups * (d + p)):
-        gp = g[part].double() * coef[part].view(-1, 1, 1, 1)
-        ap = a[part].double()
-        total += gp.permute(1, 3, 0, 2).flatten(2) @ ap.transpose(0, 1).flatten(1, 2)
-    return total
+    parts = [
+        _scaled(g[part], coef[part]).permute(1, 3, 0, 2).flatten(2)
+        @ a[part].transpose(0, 1).flatten(1, 2)
+        for part in _sum_chunks(batch, positions, positions * groups * (d + p))
+    ]
+    return functools.reduce(Tensor.add_, parts)
 
 
 def _scaled(g: Tensor, coef: Tensor) -> Tensor:
-    """``diag(C) · g`` in ``g``'s dtype: sample i of ``g`` times ``coef[i]``, each product
-    formed in float64 and clamped to ``g``'s finite range (used where ``a`` has one position).
-
-    A clamped entry has |c·g_j| > max, so ‖a‖ < R_m/max and its products with ``a`` stay below
-    R_m; clamping only shrinks c·g, and with it ‖c·g aᵀ‖ = ‖c·g‖·‖a‖.
-    """
-    big = torch.finfo(g.dtype).max
-    scaled = g * coef.double().view(-1, *([1] * (g.dim() - 1)))  # float64: g promoted exactly
-    return scaled.clamp_(-big, big).to(g.dtype)
+    """``diag(C) · g``: sample i of ``g`` times ``coef[i]``, in ``g``'s dtype. No product
+    overflows: c_i·|g_j| ≤ c_i·‖g_i‖ ≤ R_m/‖a_i‖-bound, and the bounds are raised to at least
+    2⁻⁶³ (``bounds.raised``), so it stays below 2⁶³·R_m."""
+    return g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
 
 
 def _sum_over(x: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -230,7 +233,7 @@ class LayerRule:
 
     ``small`` gives the instantiated per-sample gradients [B, *shape] of the parameters whose
     per-sample gradients are cheap (biases, affine norm parameters); subclasses with a weight
-    matrix add ``weight_sq_norms`` / ``weight_sum`` / ``weight_per_sample`` for it.
+    matrix add ``weight_norms`` / ``weight_sum`` / ``weight_per_sample`` for it.
 
     ``keeps_per_sample`` says when one call's per-sample gradients are worth holding instead
     of its book-kept input and output gradient (less memory, or for convolutions a little more
@@ -247,7 +250,7 @@ class LayerRule:
     def small(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+    def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
         raise NotImplementedError
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
@@ -268,12 +271,12 @@ class LayerRule:
             out["weight"] = self.weight_per_sample(module, call)
         return out
 
-    def sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
-        """Per-sample squared gradient norm [B] (float64) of each trainable parameter, by
-        attribute. The small gradients are summed from the very rows measured here."""
-        out = {k: sq_norms(v) for k, v in self.small(module, calls).items()}
+    def norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Bound]:
+        """A bound on the per-sample gradient norm of each trainable parameter, by attribute.
+        The small gradients are summed from the very rows measured here."""
+        out = {k: bounds.row_norms(v) for k, v in self.small(module, calls).items()}
         if self.has_weight_matrix and _trainable(module, "weight"):
-            out["weight"] = self.weight_sq_norms(module, calls)
+            out["weight"] = self.weight_norms(module, calls)
         return out
 
     def add_sums(
@@ -286,7 +289,7 @@ class LayerRule:
         """Add ``Σ_i coef[k][i] · ∂L_i/∂param_k`` into ``out[k]`` for each trainable parameter
         k, by attribute."""
         for k, v in self.small(module, calls).items():
-            out[k].add_(clipped_sum(coef[k], v))
+            add_clipped_sum(out[k], coef[k], v)
         if self.has_weight_matrix and _trainable(module, "weight"):
             self.add_weight_sum(module, calls, coef["weight"], out["weight"])
 
@@ -332,18 +335,18 @@ class LinearRule(LayerRule):
         """One call on [B, d]: each example's weight gradient is g_i a_iᵀ, its bias's g_i."""
         return len(calls) == 1 and calls[0].grad.dim() == 2
 
-    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
-        return positions_sq_norms(*self._positions(calls))
+    def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
+        return positions_norms(*self._positions(calls))
 
-    def sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
-        """Rank one: ‖g_i‖² (bounded from above, ``sq_norms``) serves the bias and the weight,
-        as ``positions_sq_norms`` forms the weight's."""
+    def norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Bound]:
+        """Rank one: the bound on ‖g_i‖ serves the bias and the weight, as ``positions_norms``
+        forms the weight's (``bounds.product``)."""
         if not self._rank_one(calls):
-            return super().sq_norms(module, calls)
-        sq_g = sq_norms(calls[0].grad)
-        out = {"bias": sq_g} if _trainable(module, "bias") else {}
+            return super().norms(module, calls)
+        g_norms = bounds.raised(bounds.row_norms(calls[0].grad))
+        out = {"bias": g_norms} if _trainable(module, "bias") else {}
         if _trainable(module, "weight"):
-            out["weight"] = sq_norms(calls[0].activation) * sq_g
+            out["weight"] = bounds.product(bounds.row_norms(calls[0].activation), g_norms)
         return out
 
     def keeps_per_sample(
@@ -397,9 +400,9 @@ class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``nn.Conv2d`` (any stride, dilation, groups, zero padding).
 
     A convolution is a linear map on the unfolded patches [B, C_in·k, T] (one per conv group),
-    so norms are those of ``positions_sq_norms`` on the patches, a bounded chunk of samples at a
+    so norms are those of ``positions_norms`` on the patches, a bounded chunk of samples at a
     time (ghost norms with the patches' Gram matrices formed from the pixels' where that is
-    cheaper, ``_pixel_sq_norms``), and clipped sums those of ``positions_sum`` (``weight_sum``),
+    cheaper, ``_pixel_norms``), and clipped sums those of ``positions_sum`` (``weight_sum``),
     the patches copied out of a channels-last view of the input. Per-sample gradients formed in the
     backward pass (``keeps_per_sample``) come from one grouped weight-gradient convolution, or
     from batched matmuls over the patches where those are faster (``weight_per_sample``).
@@ -451,7 +454,7 @@ class ConvRule(LayerRule):
         a linear layer over several positions). They are then smaller than the unfolded
         patches and output gradients of a sample (p·d < T(d + p)), and holding them (in
         float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept route
-        unfolds the patches, k/stride² times the input, in float64 twice (norm, sum). On
+        unfolds the patches, k/stride² times the input, twice (norm, sum). On
         resnet18 (its three 128-channel 3×3 convolutions after the first) this took 27–32 % off
         the step at B = 64 and 10–14 % at B = 256, for 9–21 % more peak memory under all-layer
         clipping and 9 % less under layer-wise clipping at B = 64 (docs/speed-history.md, "Kept
@@ -491,13 +494,12 @@ class ConvRule(LayerRule):
         self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call], part: slice
     ) -> tuple[Tensor, Tensor]:
         """Patches [b, G, T, d] and output gradients [b, G, T, p] of the samples in ``part``,
-        in float64 (the input is converted before its patches are copied, k times cheaper),
         calls concatenated along T, one map per conv group. A patch's d values are in
         channels-last order, (k_h, k_w, C_in/G) (``_channels_last_patches``)."""
         patches, grads = [], []
         for call in calls:
-            x4, geo = self._as_2d(module, call.activation[part].double())
-            g = call.grad[part].double()
+            x4, geo = self._as_2d(module, call.activation[part])
+            g = call.grad[part]
             out = g.shape[2:] if isinstance(module, nn.Conv2d) else (1, g.shape[-1])
             b, groups, positions = len(g), module.groups, math.prod(out)
             view = _channels_last_patches(x4, out, geo, groups)  # [b, *out, k…, G, C_in/G]
@@ -505,22 +507,21 @@ class ConvRule(LayerRule):
             grads.append(g.reshape(b, groups, -1, positions).transpose(-1, -2))
         return _cat(patches, 2), _cat(grads, 2)
 
-    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+    def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         if self._from_pixels(module, calls):
-            return self._pixel_sq_norms(module, calls[0])
-        return _cat(
+            return self._pixel_norms(module, calls[0])
+        return bounds.cat(
             [
-                positions_sq_norms(*self._positions(module, calls, part))
+                positions_norms(*self._positions(module, calls, part))
                 for part in self._patch_chunks(module, calls)
-            ],
-            0,
+            ]
         )
 
     def _from_pixels(self, module: nn.Conv1d | nn.Conv2d, calls: Sequence[Call]) -> bool:
         """Whether the ghost norm of one call over several positions is the cheaper norm, and
         cheaper still with its patches' Gram matrices formed from its pixels'
-        (``_pixel_sq_norms``): P²·C_in + G·K·T² multiply-adds a sample against the patches'
+        (``_pixel_norms``): P²·C_in + G·K·T² multiply-adds a sample against the patches'
         G·T²·d = K·T²·C_in (P padded pixels, K kernel offsets). For stride 1 that holds from
         about 3×3 outputs up (P ≈ T); for stride 2 it does not (P ≈ 4T)."""
         if len(calls) != 1:
@@ -534,8 +535,8 @@ class ConvRule(LayerRule):
         offsets, d = math.prod(geo["kernel_size"]), _row_size(module.weight)
         return pixels * pixels * module.in_channels + offsets * grams < grams * d
 
-    def _pixel_sq_norms(self, module: nn.Conv1d | nn.Conv2d, call: Call) -> Tensor:
-        """``positions_sq_norms``' ghost norm, its patches' Gram matrices formed from the pixels'
+    def _pixel_norms(self, module: nn.Conv1d | nn.Conv2d, call: Call) -> Bound:
+        """``positions_norms``' ghost norm, its patches' Gram matrices formed from the pixels'
         (no unfolded copy of the patches, and P²·C_in work a sample for K·T²·C_in): patch t holds
         the pixels π(t, k) that kernel offset k reads, zero padding included, so
 
@@ -544,47 +545,50 @@ class ConvRule(LayerRule):
         Rounding: each X_π·X_ρ is a dot product of C_in/G terms, and K of them are added, so an
         entry is within γ_{C_in/G + K − 1}·Σ|products| ≤ γ_d·‖a_t‖·‖a_s‖ of the exact one
         (C_in/G + K − 1 ≤ d = K·C_in/G; Cauchy–Schwarz): the unfolded patches' bound, and
-        ‖a_t‖² (the diagonal, a sum of squares) within γ_d of its value, as a norm's. The
-        guard of ``positions_sq_norms`` holds unchanged. resnet18 at B = 64: 3–3.7× faster
-        norms for its 256- and 512-channel convolutions."""
+        ‖a_t‖² (the diagonal, a sum of squares) within γ_d of its value, as a norm's
+        (``bounds.spread`` with the matrix products' unit). The guard of ``positions_norms``
+        holds unchanged. resnet18 at B = 64: 3–3.7× faster norms for its 256- and 512-channel
+        convolutions."""
         x4, geo = self._as_2d(module, call.activation)
         (ph, pw), groups = geo["padding"], module.groups
         g4 = call.grad.unsqueeze(-2) if isinstance(module, nn.Conv1d) else call.grad
         padded = (x4.shape[-2] + 2 * ph, x4.shape[-1] + 2 * pw)
-        reads = _patch_pixels(padded, g4.shape[-2:], geo, x4.device)  # [K, T]
-        offsets, positions = reads.shape
+        pairs, offsets, positions = _pixel_pairs(
+            padded, tuple(g4.shape[-2:]), tuple(geo.items()), x4.device
+        )
         pixels = padded[0] * padded[1]
-        pairs = (reads.unsqueeze(-1) * pixels + reads.unsqueeze(-2)).flatten()  # [K·T·T]
         per_sample = groups * (pixels * pixels + (offsets + 2) * positions * positions)
+        d, p = _row_size(module.weight), module.out_channels // groups
+        unit = bounds.matmul_unit(x4.device)
         out = []
         for part in _chunks(len(x4), per_sample + _row_size(x4) + _row_size(g4)):
-            x = F.pad(x4[part].double(), (pw, pw, ph, ph)).reshape(
-                len(x4[part]), groups, -1, pixels
-            )
+            x = F.pad(x4[part], (pw, pw, ph, ph)).reshape(len(x4[part]), groups, -1, pixels)
             by_pixel = (x.mT @ x).flatten(-2)  # [b, G, P·P]
             gram = by_pixel[..., pairs].view(len(x), groups, offsets, positions, positions).sum(2)
-            g = g4[part].double().reshape(len(x), groups, -1, positions).mT  # [b, G, T, p]
-            norms = gram.diagonal(dim1=-2, dim2=-1).sqrt() * torch.linalg.vector_norm(g, dim=-1)
-            out.append(_ghost_sq_norms(gram, g, norms.sum(-1), _row_size(module.weight)).sum(1))
-        return _cat(out, 0)
+            g = g4[part].reshape(len(x), groups, -1, positions).mT  # [b, G, T, p]
+            spread, scale = bounds.spread(
+                gram.diagonal(dim1=-2, dim2=-1).sqrt(),
+                torch.linalg.vector_norm(g, dim=-1),
+                d,
+                p,
+                unit_a=unit,
+            )
+            out.append(_ghost_squares(gram, g, spread, scale, d, _sum_rows(positions)))
+        return bounds.from_squares(_cat(out, 0), bounds.guarded_scale(groups))
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
-        """``Σ_i coef[i] Σ_t g_t a_tᵀ`` in float64 by ``positions_sum`` over the patches, a
-        chunk of samples at a time (``_sum_chunks``: at most max(T, ``SUM_ROWS``) rows, and
-        the float64 inputs, output gradients and patches bounded), whose partial sums are
-        added; the patches' channels-last order is permuted back on the weight-sized sum.
+        """``Σ_i coef[i] Σ_t g_t a_tᵀ`` by ``positions_sum`` over the patches, a chunk of
+        samples at a time (``_sum_chunks``: at most max(T, ``SUM_ROWS``) rows, and the padded
+        inputs, scaled output gradients and patches bounded), whose partial sums are added; the
+        patches' channels-last order is permuted back on the weight-sized sum.
 
         Each chunk is a few whole-chunk operations (one copy of the patches, one matrix
-        product), never a loop over its samples. torch's own float64 weight-gradient
-        convolution, which served here before (cuDNN off: its FFT and Winograd algorithms
-        round otherwise), is im2col and a matrix product per sample: on an H100, 3,584
-        im2col kernels a step for resnet18 at B = 256, whose step was bound by launching
-        kernels. On CPU this is 0.66–1.10× its time for resnet18's layers."""
+        product), never a loop over its samples: the sum's rounding is that of one matrix
+        product of at most ``SUM_ROWS`` rows, which the norm's guard covers."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         batch = calls[0].grad.shape[0]
         positions = sum(_row_size(c.grad) // module.out_channels for c in calls)
-        # float64 inputs (and their padded copy), output gradients (float64, scaled, reordered)
-        # and patches
+        # inputs (and their padded copy), output gradients (scaled, reordered) and patches
         elements = sum(2 * _row_size(c.activation) + 3 * _row_size(c.grad) for c in calls)
         elements += positions * module.groups * _row_size(module.weight)
         total = functools.reduce(
@@ -621,19 +625,26 @@ def _channels_last_patches(
     )
 
 
-def _patch_pixels(
-    padded: tuple[int, int], out: tuple[int, ...], geo: dict[str, tuple], device: torch.device
-) -> Tensor:
-    """[K, T]: the flat index, in an input of ``padded`` size, of the pixel that kernel offset k
-    of output position t reads (``out``: the output's height and width)."""
+@functools.cache
+def _pixel_pairs(
+    padded: tuple[int, int], out: tuple[int, ...], geo: tuple[tuple, ...], device: torch.device
+) -> tuple[Tensor, int, int]:
+    """(pairs [K·T·T], K, T) for ``ConvRule._pixel_norms``: the flat index, in the pixels' Gram
+    matrix [P·P] of an input of ``padded`` size, of the pixel pair that kernel offset k reads at
+    output positions t and s (``out``: the output's height and width; ``geo``: the geometry's
+    items). Built once a geometry: a handful of index operations that a step need not repeat."""
+    shape = dict(geo)
+    (kh, kw), (dh, dw), (sh, sw) = shape["kernel_size"], shape["dilation"], shape["stride"]
 
     def axis(size: int, dilation: int, outputs: int, stride: int) -> Tensor:  # [k, n]
         offsets = torch.arange(size, device=device) * dilation
         return offsets[:, None] + torch.arange(outputs, device=device)[None, :] * stride
 
-    (kh, kw), (dh, dw), (sh, sw) = geo["kernel_size"], geo["dilation"], geo["stride"]
     rows, cols = axis(kh, dh, out[0], sh), axis(kw, dw, out[1], sw)
-    return (rows[:, None, :, None] * padded[1] + cols[None, :, None, :]).reshape(kh * kw, -1)
+    reads = (rows[:, None, :, None] * padded[1] + cols[None, :, None, :]).reshape(kh * kw, -1)
+    pixels = padded[0] * padded[1]
+    pairs = (reads.unsqueeze(-1) * pixels + reads.unsqueeze(-2)).flatten()
+    return pairs, reads.shape[0], reads.shape[1]
 
 
 def _grouped_per_sample(
@@ -730,48 +741,60 @@ class EmbeddingRule(LayerRule):
             g = torch.where((ids != module.padding_idx).unsqueeze(-1), g, 0)
         return ids, g
 
-    def weight_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
-        """The per-sample gradient's rows, Σ_{t: x_t = r} g_t for each id r a sample uses,
-        added up in float64 (one ``index_add_`` over the chunk's (sample, id) pairs) and
-        squared: T·p work a sample, where the ghost norm's Gram matrix (g gᵀ masked by
-        [x_t = x_s]) took T²·p — 46 of the transformer's 125 ms of DP work at B = 256.
-
-        With ``positions_sq_norms``' guard (one-hot inputs have ‖a_t‖ = 1, so S_i = Σ_t ‖g_t‖):
-        a row's sum of n ≤ T terms is within γ_T of its terms' magnitudes, so the computed
-        gradient is within γ_T·S_i of the exact one (Frobenius), and squaring and adding its
-        at most T·p entries loses γ_{Tp}: together ≤ γ_{2T+Tp+2}·S_i² on the squared norm, as
-        for an instantiated gradient. Rows repeated at several positions may cancel like any
-        ghost norm; the guard covers that."""
+    def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
+        """``positions_norms``' bound with one-hot inputs (‖a_t‖ = 1, so S_i = Σ_t ‖g_t‖), with
+        no data-dependent shape (no ``unique``: a host sync on a GPU). With at most as many ids
+        as positions (a position embedding) the per-sample gradient is instantiated densely,
+        [V, p] a sample, by one ``index_add_``: a row's sum of at most T terms is within γ_T of
+        its terms' magnitudes, as an instantiated gradient's entries (``_instantiated``).
+        Otherwise the ghost norm with the exact Gram matrix [x_t = x_s] of the one-hot inputs
+        (d = 1 in ``bounds.ghost_guard``). Rows repeated at several positions may cancel like
+        any ghost norm; the guard covers that."""
         ids, g = self._ids_and_grads(module, calls)
         batch, positions, p = g.shape
-        slack = rounding_slack(positions, 2 * positions + positions * p + 2)
+        vocab, rows_summed = module.num_embeddings, _sum_rows(positions)
+        dense = vocab <= positions
         out = []
-        for part in _chunks(batch, 2 * positions * p):
-            gp = g[part].double()
-            sample = torch.arange(len(gp), device=gp.device).unsqueeze(1)
-            pairs, row = (
-                (ids[part] + module.num_embeddings * sample).flatten().unique(return_inverse=True)
-            )
-            rows = gp.new_zeros(len(pairs), p).index_add_(0, row, gp.flatten(0, 1))
-            owner = pairs // module.num_embeddings
-            sq = gp.new_zeros(len(gp)).index_add_(0, owner, rows.square().sum(1))
-            spread = torch.linalg.vector_norm(gp, dim=-1).sum(1)
-            out.append(sq + slack * spread.square())
-        return _cat(out, 0)
+        for part in _chunks(batch, positions * (p + (vocab * p if dense else positions))):
+            gp, idp = g[part], ids[part]
+            spread, scale = bounds.spread(None, torch.linalg.vector_norm(gp, dim=-1), 1, p)
+            if dense:
+                sample = torch.arange(len(gp), device=gp.device).unsqueeze(1) * vocab
+                rows = gp.new_zeros(len(gp) * vocab, p).index_add_(
+                    0, (idp + sample).flatten(), gp.flatten(0, 1)
+                )
+                out.append(
+                    _instantiated(
+                        rows.view(len(gp), -1), spread, scale, positions, rows_summed, bounds.U
+                    )
+                )
+            else:
+                same = (idp.unsqueeze(-1) == idp.unsqueeze(-2)).to(gp.dtype)
+                out.append(
+                    _ghost_squares(
+                        same.unsqueeze(1),
+                        gp.unsqueeze(1),
+                        spread.unsqueeze(1),
+                        scale,
+                        1,
+                        rows_summed,
+                    )
+                )
+        return bounds.from_squares(_cat(out, 0), bounds.guarded_scale(1))
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
-        """Scaled rows added up in float64 per chunk of samples (only the rows the chunk
-        touches), then into the weight-shaped total: partial sums of clipped contributions."""
+        """Scaled rows added into the weight-shaped sum per chunk of samples (``_sum_chunks``),
+        the chunks' sums added: partial sums of clipped contributions."""
         assert isinstance(module, nn.Embedding)
         ids, g = self._ids_and_grads(module, calls)
         batch, positions, p = g.shape
-        total = torch.zeros_like(module.weight)
-        for part in _sum_chunks(batch, positions, positions * p):
-            rows = (g[part].double() * coef[part].view(-1, 1, 1)).flatten(0, 1)
-            touched, where = ids[part].flatten().unique(return_inverse=True)
-            partial = rows.new_zeros(len(touched), p).index_add_(0, where, rows)
-            total.index_add_(0, touched, partial.to(total.dtype))
-        return total
+        parts = [
+            torch.zeros_like(module.weight).index_add_(
+                0, ids[part].flatten(), _scaled(g[part], coef[part]).flatten(0, 1)
+            )
+            for part in _sum_chunks(batch, positions, positions * p)
+        ]
+        return functools.reduce(Tensor.add_, parts)
 
 
 class LayerNormRule(LayerRule):
