@@ -16,6 +16,8 @@ the largest n with n·ε ≤ ε_budget and n·δ ≤ δ_budget, computed here in
 fails unless exactly that many distinct jobs are admitted, every other submission is refused
 with 409, no request gets a 5xx, no budget read ever shows more committed than the budget,
 every replayed key returns its job, and the ledger holds one reservation per admitted job.
+A submission the service sheds (429 or 503 with ``Retry-After``: its planning queue is full)
+is sent again after that many seconds, as a client should; the count of those is reported.
 
 Prints a table (p50/p99 latency per endpoint, throughput, PostgreSQL/SQLite ratios) and
 writes every number as JSON with ``--json``.
@@ -119,6 +121,7 @@ class LoadResult:
     expected_admitted: int
     admitted: int  # distinct jobs
     refused: int  # submissions answered 409
+    shed: int  # submissions answered 429 or 503 with Retry-After, and sent again
     statuses: dict[str, dict[str, int]]  # endpoint -> status code -> count
     server_errors: int
     committed_epsilon: float  # spent + reserved, at the end
@@ -257,15 +260,17 @@ async def _fire(
     submissions: list[str],
     reads: int,
     concurrency: int,
-) -> tuple[list[tuple[str, str, httpx.Response | None, float, str]], float]:
+) -> tuple[list[tuple[str, str, httpx.Response | None, float, str]], float, int]:
     """Send every submission (one per key in ``submissions``) and ``reads`` budget reads in a
-    shuffled order, ``concurrency`` at a time. Returns (endpoint, key, response, seconds,
-    transport error) per request, and the wall time."""
+    shuffled order, ``concurrency`` at a time; a submission that is shed is sent again after
+    its ``Retry-After``. Returns (endpoint, key, response, seconds, transport error) per
+    request, the wall time, and how many times submissions were shed."""
     body = job_spec(dataset)
     calls: list[tuple[str, str]] = [(SUBMIT, key) for key in submissions] + [(READ, "")] * reads
     random.shuffle(calls)
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    shed = 0
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
 
@@ -275,19 +280,29 @@ async def _fire(
                 start = time.perf_counter()
                 try:
                     if endpoint == SUBMIT:
-                        auth = analysts[hash(key) % len(analysts)]  # a key has one owner
-                        response = await http.post(
-                            "/v1/jobs", headers=auth | {"Idempotency-Key": key}, json=body
-                        )
+                        response = await submit(key)
                     else:
                         response = await http.get(f"/v1/datasets/{dataset}/budget", headers=headers)
                 except httpx.TransportError as error:
                     return endpoint, key, None, time.perf_counter() - start, repr(error)
                 return endpoint, key, response, time.perf_counter() - start, ""
 
+        async def submit(key: str) -> httpx.Response:
+            nonlocal shed
+            auth = analysts[hash(key) % len(analysts)]  # a key has one owner
+            while True:
+                response = await http.post(
+                    "/v1/jobs", headers=auth | {"Idempotency-Key": key}, json=body
+                )
+                retry_after = response.headers.get("retry-after")
+                if response.status_code not in (429, 503) or retry_after is None:
+                    return response
+                shed += 1
+                await asyncio.sleep(float(retry_after) * random.uniform(0.5, 1.5))
+
         start = time.perf_counter()
         results = await asyncio.gather(*(call(i, e, k) for i, (e, k) in enumerate(calls)))
-        return list(results), time.perf_counter() - start
+        return list(results), time.perf_counter() - start, shed
 
 
 def run_load(
@@ -314,7 +329,7 @@ def run_load(
     with serve(database_url, data_dir, workers) as url:
         dataset, analysts, plan = _prepare(url, budget_epsilon)
         expected = expected_admitted(plan["epsilon"], plan["delta"], budget_epsilon, DATASET_DELTA)
-        results, wall = asyncio.run(_fire(url, dataset, analysts, sent, reads, concurrency))
+        results, wall, shed = asyncio.run(_fire(url, dataset, analysts, sent, reads, concurrency))
         with httpx.Client(base_url=url, timeout=300) as http:
             final = http.get(f"/v1/datasets/{dataset}/budget", headers=_bearer(OPERATOR_KEY))
             _ok(final)
@@ -328,6 +343,7 @@ def run_load(
         database="postgresql" if database_url else "sqlite",
         results=results,
         wall=wall,
+        shed=shed,
         final=final.json() | {"entries": ledger},
         one_more=one_more,
         plan=plan,
@@ -343,6 +359,7 @@ def _check(
     database: str,
     results: list[tuple[str, str, httpx.Response | None, float, str]],
     wall: float,
+    shed: int,
     final: dict[str, Any],
     one_more: httpx.Response,
     plan: dict[str, Any],
@@ -412,6 +429,7 @@ def _check(
         expected_admitted=expected,
         admitted=admitted,
         refused=refused,
+        shed=shed,
         statuses={endpoint: dict(counts) for endpoint, counts in statuses.items()},
         server_errors=server_errors,
         committed_epsilon=committed,
@@ -432,6 +450,7 @@ def table(results: list[LoadResult]) -> str:
         ("in flight / server processes", [f"{r.concurrency} / {r.workers}" for r in results]),
         ("admitted (expected)", [f"{r.admitted} ({r.expected_admitted})" for r in results]),
         ("refused 409", [r.refused for r in results]),
+        ("shed 429/503, sent again", [r.shed for r in results]),
         ("5xx", [r.server_errors for r in results]),
         (
             "committed ε / budget",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from typing import Annotated, Literal, Self, get_args
+from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import (
     AfterValidator,
@@ -18,6 +18,9 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
     model_validator,
 )
 from pydantic import Strict as StrictType
@@ -55,6 +58,15 @@ THRESHOLD_RATE = (1e-4, 10.0)
 MAX_BINS = 1000
 #: the largest expected batch size B: with C ≥ 1e-4 the scale C/B is at least 1e-10
 MAX_BATCH = 1_000_000
+#: a job's δ (and LT's δ₂): above 0.1 it guarantees nothing; the floor keeps 1/δ, ln(1/δ)
+#: and LT's cap ln(1/δ₂)/γ well inside float64 (a subnormal δ made 1/δ overflow)
+DELTA = (1e-30, 0.1)
+#: the share of the private data held out for the selection score
+FRACTION = (1e-3, 0.9)
+#: a built-in model's size options: generous for real use; a typo such as 2**40 is refused
+#: at admission, before anything is reserved, not by the worker after the charge
+WIDTH = (1, 65_536)
+DEPTH = (1, 1_000)
 
 
 Threshold = Annotated[float, Field(ge=THRESHOLD[0], le=THRESHOLD[1])]
@@ -103,6 +115,41 @@ def _model_name(name: str) -> str:
     )
 
 
+_Width = Annotated[int, StrictType(), Field(ge=WIDTH[0], le=WIDTH[1])]
+_Depth = Annotated[int, StrictType(), Field(ge=DEPTH[0], le=DEPTH[1])]
+#: the options each built-in model reads (``workers.models.builtin``), with their types:
+#: declared here, without torch, so that admission refuses an option no model reads before
+#: anything is reserved
+BUILTIN_OPTIONS: dict[str, dict[str, TypeAdapter[Any]]] = {
+    "logreg": {"bias": TypeAdapter(StrictBool)},
+    "mlp": {"hidden": TypeAdapter(_Width), "layers": TypeAdapter(_Depth)},
+    "cnn": {},
+    "resnet18": {"width": TypeAdapter(_Width), "norm_groups": TypeAdapter(_Width)},
+    "resnet34": {"width": TypeAdapter(_Width), "norm_groups": TypeAdapter(_Width)},
+    "lstm": {"hidden": TypeAdapter(_Width), "layers": TypeAdapter(_Depth)},
+    "transformer": {
+        "dim": TypeAdapter(_Width),
+        "heads": TypeAdapter(_Width),
+        "layers": TypeAdapter(_Depth),
+        "ff": TypeAdapter(_Width),
+    },
+}
+
+
+def _builtin_options(name: str, options: dict[str, float | int | str | bool]) -> None:
+    """Refuse an option the built-in model does not read, or a value of the wrong type."""
+    accepted = BUILTIN_OPTIONS[name]
+    for key, value in options.items():
+        if key not in accepted:
+            raise ValueError(
+                f"model.options.{key}: not an option of {name!r} (allowed: {sorted(accepted)})"
+            )
+        try:
+            accepted[key].validate_python(value)
+        except ValidationError as error:
+            raise ValueError(f"model.options.{key}: {error.errors()[0]['msg']}") from None
+
+
 class ModelConfig(Strict):
     """A built-in model (``workers.models.builtin``) or a factory by import path
     (``package.module:factory``, a public callable defined in that module), called as
@@ -131,6 +178,7 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _keyword_options(self) -> Self:
         if self.factory is None:
+            _builtin_options(self.name, self.options)
             return self
         for key in self.options:
             if not key.isidentifier() or keyword.iskeyword(key) or key in FACTORY_ARGUMENTS:
@@ -238,7 +286,8 @@ class ValidationConfig(Strict):
 
     split: Literal["public", "private"] = "public"
     noise: Noise | None = None
-    fraction: float = Field(0.1, gt=0, lt=1)  # share of the private data held out if "private"
+    #: share of the private data held out if "private"
+    fraction: float = Field(0.1, ge=FRACTION[0], le=FRACTION[1])
 
     @model_validator(mode="after")
     def _private_needs_noise(self) -> Self:

@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic import Strict as StrictType
 
 from core.config import (
+    DELTA,
     MAX_BATCH,
     DatasetConfig,
     MethodConfig,
@@ -71,9 +72,68 @@ SHAPES: dict[str, TypeAdapter[Any]] = {
 MAX_SHAPES = 16
 
 
+#: how deep a spec (or anything a runner stores) may nest; a spec needs 4 levels
+MAX_DEPTH = 16
+
+
+def text_problem(text: str) -> str | None:
+    """Why a string is not storable text, or None: a lone surrogate is not Unicode text (no
+    UTF-8 encoding) and PostgreSQL refuses NUL in text."""
+    if "\x00" in text:
+        return "contains NUL"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (a lone surrogate)"
+    return None
+
+
+def printable(text: str) -> str:
+    """``text`` with what no response or database may carry escaped: lone surrogates (not
+    encodable as UTF-8) as ``\\udXXX`` and NUL as ``\\x00``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def check_json(value: Any, path: str = "", max_depth: int = MAX_DEPTH) -> None:
+    """Refuse NaN, ±inf, nesting deeper than ``max_depth`` and strings (keys too) that are not
+    storable text, anywhere in a JSON-like value. Iterative, so that no input, however deep,
+    reaches Python's recursion limit; errors name the path (``<path>: <reason>``), with any
+    offending key escaped."""
+    stack = [(value, path, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        named = where or "body"
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{named}: must be a finite number, got {item}")
+        if isinstance(item, str) and (problem := text_problem(item)) is not None:
+            raise ValueError(f"{named}: {problem}")
+        if isinstance(item, list | tuple):
+            item = dict(enumerate(item))
+        if not isinstance(item, dict):
+            continue
+        if depth >= max_depth:
+            raise ValueError(f"{named}: nested deeper than {max_depth} levels")
+        for key, child in item.items():
+            if isinstance(key, str) and (problem := text_problem(key)) is not None:
+                raise ValueError(f"{named}: the key {key!a} {problem}")
+            stack.append((child, f"{where}.{key}" if where else str(key), depth + 1))
+
+
+def _text(value: str) -> str:
+    if (problem := text_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+#: a string every database stores and every response renders
+Text = Annotated[str, AfterValidator(_text)]
+
+
 def _scalar(value: Any) -> bool | int | float | str:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must be a finite number")
+    if isinstance(value, str) and (problem := text_problem(value)) is not None:
+        raise ValueError(problem)
     if isinstance(value, bool | int | float | str):
         return value
     raise ValueError("must be a number, a string or a boolean")
@@ -164,13 +224,14 @@ class Privacy(Strict):
     epsilon: float = Field(gt=0, le=100)
     #: default: the dataset's δ (rdp, ps); for lt a tenth of the δ the dataset has not yet given
     #: to (ε, δ) charges (service.planning)
-    delta: float | None = Field(None, gt=0, lt=1)
+    delta: float | None = Field(None, ge=DELTA[0], le=DELTA[1])
     accounting: Literal["rdp", "lt", "ps"]
     trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
     max_retries: int = Field(0, ge=0, le=3)
-    gamma: float | None = Field(None, gt=0, le=1)
+    #: at least 1/MAX_TRIALS, as ``expected_trials`` is at most MAX_TRIALS
+    gamma: float | None = Field(None, ge=1 / MAX_TRIALS, le=1)
     expected_trials: float | None = Field(None, ge=1, le=MAX_TRIALS)
-    delta2: float | None = Field(None, gt=0, lt=1)
+    delta2: float | None = Field(None, ge=DELTA[0], le=DELTA[1])
     mean: float | None = Field(None, ge=1, le=MAX_TRIALS)
     eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = None
     max_trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
@@ -225,7 +286,7 @@ class Selection(Strict):
 class Resources(Strict):
     """Per trial; passed to Ray (``tune.with_resources``)."""
 
-    cpu: float = Field(1.0, gt=0, le=64)
+    cpu: float = Field(1.0, ge=0.01, le=64)
     gpu: float = Field(0.0, ge=0, le=8)
 
 
@@ -252,9 +313,10 @@ class JobSpec(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _finite(cls, data: Any) -> Any:
-        """Refuse NaN and ±inf anywhere, including inside the embedded worker configs."""
-        _check_finite(data, "")
+    def _json(cls, data: Any) -> Any:
+        """Refuse NaN, ±inf, deep nesting and strings that are not text anywhere, including
+        inside the embedded worker configs, before anything recurses into the value."""
+        check_json(data)
         return data
 
     @model_validator(mode="after")
@@ -355,15 +417,6 @@ class JobSpec(Strict):
         """Trials on the private data: every candidate under ``rdp``, the chosen one after a
         search on a ``proxy``; 1 under ``lt``/``ps`` (K is random)."""
         return 1 if self.proxy is not None else self.candidate_count()
-
-
-def _check_finite(value: Any, path: str) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{path or 'body'}: must be a finite number, got {value}")
-    if isinstance(value, list):
-        value = dict(enumerate(value))
-    for key, item in value.items() if isinstance(value, dict) else ():
-        _check_finite(item, f"{path}.{key}" if path else str(key))
 
 
 def _endpoints(dim: Dimension) -> list[Scalar]:

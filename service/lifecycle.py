@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.spec import JobSpec
@@ -50,6 +51,10 @@ class IdempotencyConflict(Exception):
     pass
 
 
+class DatasetGone(LookupError):
+    """The job's dataset was deleted after it was planned (``DELETE /v1/datasets/{id}``)."""
+
+
 def request_sha256(spec: JobSpec) -> str:
     return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
 
@@ -69,20 +74,11 @@ def admit(
     digest = request_sha256(spec)
     try:
         dataset = locked_dataset(session, spec.dataset)
-        assert dataset is not None  # checked by the caller; datasets are never deleted
-        if idempotency_key is not None:
-            earlier = session.execute(
-                select(Job).where(
-                    Job.owner_key_id == principal.key_id, Job.idempotency_key == idempotency_key
-                )
-            ).scalar_one_or_none()
-            if earlier is not None:
-                if earlier.request_sha256 != digest:
-                    raise IdempotencyConflict(
-                        "Idempotency-Key was already used for a different job spec"
-                    )
-                session.commit()
-                return earlier, False
+        if dataset is None:
+            raise DatasetGone(f"dataset {spec.dataset} not found")
+        if (earlier := _earlier(session, principal, idempotency_key, digest)) is not None:
+            session.commit()
+            return earlier, False
         vec = ledger.amount(planned.reservation)
         after = ledger.budget(session, dataset, plus=vec)
         if after.committed > dataset.epsilon:
@@ -98,7 +94,16 @@ def admit(
             status=JobState.QUEUED,
         )
         session.add(job)
-        session.flush()
+        try:
+            session.flush()
+        except IntegrityError:
+            # the same key, admitted at the same instant under another dataset's lock: the
+            # first job stands, as if this request had come second
+            session.rollback()
+            if (earlier := _earlier(session, principal, idempotency_key, digest)) is None:
+                raise
+            session.commit()
+            return earlier, False
         ledger.append(
             session,
             job,
@@ -112,6 +117,23 @@ def admit(
     except BaseException:
         session.rollback()
         raise
+
+
+def _earlier(
+    session: Session, principal: Principal, idempotency_key: str | None, digest: str
+) -> Job | None:
+    """The caller's job admitted with ``idempotency_key``, if any; :class:`IdempotencyConflict`
+    when it was admitted for another spec."""
+    if idempotency_key is None:
+        return None
+    earlier = session.execute(
+        select(Job).where(
+            Job.owner_key_id == principal.key_id, Job.idempotency_key == idempotency_key
+        )
+    ).scalar_one_or_none()
+    if earlier is not None and earlier.request_sha256 != digest:
+        raise IdempotencyConflict("Idempotency-Key was already used for a different job spec")
+    return earlier
 
 
 class _PerJob:
@@ -189,7 +211,8 @@ def _hand_over(session: Session, orchestrator: Orchestrator, job_id: int) -> Non
     if not _mint(session, job_id, earlier, digest(token)):
         return
     try:
-        orchestrator.submit(Submission(job_id, token, dataset.name, _title(job, dataset)))
+        title = _title(job, dataset)
+        orchestrator.submit(Submission(job_id, token, dataset.name, title, job.spec["resources"]))
     except OrchestratorUnavailable:
         raise
     except Exception as error:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class JobState(StrEnum):
@@ -58,6 +58,18 @@ class Submission:
     dataset_name: str
     #: how the cluster's job list names the job (nothing secret, nothing that depends on K)
     title: str = ""
+    #: what each trial asks of one node (the spec's ``resources``: ``cpu``, ``gpu``); an
+    #: orchestrator refuses a job that no node of its cluster can ever run
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Node:
+    """What one live node of the cluster has in all (not what is free now): a trial runs on
+    one node, so a trial that asks more than every node has can never start."""
+
+    cpu: float
+    gpu: float
 
 
 class Orchestrator(Protocol):
@@ -91,6 +103,23 @@ class Orchestrator(Protocol):
     def reconcile(self, job_ids: list[int]) -> dict[int, JobState]:
         """The state of each of these submitted jobs (as :meth:`status`), leaving out those
         whose state is unknown right now because the orchestrator did not answer."""
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """An orchestrator that can also tell what its cluster has and says of a job: for
+    admission (:mod:`service.admission`) and operators (a job's log, why it waits). Each call
+    raises :class:`OrchestratorUnavailable` when the cluster does not answer."""
+
+    def nodes(self) -> list[Node]:
+        """The live nodes of the cluster, with what each has in all."""
+
+    def message(self, job_id: int) -> str | None:
+        """What the cluster says of a submitted job's state (why it is pending, why it
+        failed); None when it says nothing. May quote the job's output: operators only."""
+
+    def logs(self, job_id: int) -> str:
+        """The job's driver log so far; "" for a job the cluster has no record of."""
 
 
 @dataclass

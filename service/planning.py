@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session
 
 from core import accounting
-from core.config import ModelReport
+from core.config import DELTA, ModelReport
 from core.noise import gradient_noise
 from core.sampling import num_steps
 from core.shapes import Shape, combine, trial_curve
@@ -114,6 +114,8 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     delta, delta_default = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
         raise PlanError("privacy.delta", f"{delta} exceeds the dataset's δ {dataset.delta}")
+    if not DELTA[0] <= delta <= DELTA[1]:
+        raise PlanError("privacy.delta", f"{delta:g} is outside [{DELTA[0]:g}, {DELTA[1]:g}]")
     validation = spec.validation
     if validation.split == "public" and not all(d.public_validation for d in (dataset, *proxy)):
         raise PlanError(
@@ -392,7 +394,11 @@ def _tuning_method(
             )
         if delta2 >= delta:
             raise PlanError("privacy.delta2", f"must be below the job's δ {delta}")
-        lt = accounting.LiuTalwar(gamma=gamma, delta2=delta2)
+        try:
+            lt = accounting.tuning_method("lt", gamma=gamma, delta2=delta2)
+        except ValueError as error:
+            field, reason = str(error).split(": ", 1)
+            raise PlanError(f"privacy.{field}", reason) from None
         if lt.max_trials > MAX_TRIALS:
             raise PlanError(
                 "privacy.gamma", f"the cap on trials {lt.max_trials} exceeds {MAX_TRIALS}"

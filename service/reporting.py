@@ -142,8 +142,16 @@ def draw(report: Report) -> Figure:
 def _trials_by_value(ax: Axes, dim: Dimension, points: list[Point]) -> None:
     """Scores against one hyperparameter. The axis spans the search space, not the trials
     shown, so that it does not move with them."""
-    points = [p for p in points if dim.path in p.params]
-    numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in dim.values)
+    numeric = all(_number(v) for v in dim.values)
+    labels = [str(v) for v in dim.values]
+    # a stored value that is not one the dimension can take (written past the runner API) is
+    # left out, not drawn somewhere misleading
+    points = [
+        p
+        for p in points
+        if dim.path in p.params
+        and (_number(p.params[dim.path]) if numeric else str(p.params[dim.path]) in labels)
+    ]
     if numeric:
         low, high = min(dim.values), max(dim.values)
         if dim.continuous or (low > 0 and high >= LOG_SPAN * low):
@@ -154,12 +162,15 @@ def _trials_by_value(ax: Axes, dim: Dimension, points: list[Point]) -> None:
             ax.set_xlim(low - pad, high + pad)
         xs = [float(p.params[dim.path]) for p in points]
     else:
-        labels = [str(v) for v in dim.values]
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlim(-0.5, len(labels) - 0.5)
         xs = [float(labels.index(str(p.params[dim.path]))) for p in points]
     _scatter(ax, xs, points)
     ax.set_xlabel(dim.path)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _trials_by_index(ax: Axes, points: list[Point]) -> None:

@@ -70,8 +70,10 @@ class Settings(BaseSettings):
     reach the service by another name (``http://dptune-api:8000``)."""
     ray_address: str | None = None
     """Dashboard/Jobs API URL of a Ray cluster (``http://head:8265``). Unset: ``dptune serve``
-    uses the local head on ``ray_dashboard_port``, starting one if none answers."""
-    ray_dashboard_port: int = Field(8265, gt=0, lt=65536)
+    uses the local head the state dir owns, starting it if it does not answer."""
+    ray_dashboard_port: int | None = Field(None, gt=0, lt=65536)
+    """Dashboard port of the local head. Unset: a free port chosen at its first start and
+    recorded in the state dir (``ray-head.json``), as are its other ports and temp dir."""
     ray_num_cpus: int | None = Field(None, gt=0)
     """CPUs of a local head started by dptune (default: all)."""
     ray_num_gpus: int | None = Field(None, ge=0)
@@ -94,6 +96,33 @@ class Settings(BaseSettings):
     """How long the Ray Jobs API may go unanswered before the jobs running there are failed
     (charged the attempts they recorded, the rest of their reservations released). Jobs not
     handed to Ray yet stay queued however long it takes."""
+    ray_check_resources: bool = True
+    """Refuse a job (422 at admission, or failed unrun when it is handed over) whose trials ask
+    more CPUs or GPUs than any live Ray node has. Turn off for an autoscaling cluster, whose
+    larger nodes may not be up yet."""
+    max_json_depth: int = Field(64, gt=0)
+    """Request bodies whose arrays and objects nest deeper are refused (422) before they are
+    parsed."""
+    max_connections: int = Field(1000, gt=0)
+    """Open HTTP connections the server keeps; a new one past it closes the one that has been
+    quiet longest (idle, or slow to send its request). Keep it below the open-file limit,
+    which ``dptune serve`` raises to its hard limit."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """How long a connection may take to send a whole request head; then it is closed."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """How long a request's body may go without a byte arriving; then it is closed."""
+    keep_alive_s: float = Field(5.0, gt=0)
+    """How long an idle connection is kept open for its next request."""
+    planning_workers: int = Field(2, gt=0)
+    """Planning requests (``POST /v1/plans``, ``POST /v1/jobs``) served at once; the others
+    wait in a queue (``service.api.shedding``)."""
+    planning_per_key: int = Field(1, gt=0)
+    """Of those, how many one API key's requests may be."""
+    planning_queue: int = Field(64, ge=0)
+    """Planning requests that may wait; past it they are refused with 429 (a key holding its
+    share of the queue) or 503."""
+    retry_after_s: int = Field(1, gt=0)
+    """``Retry-After`` of those refusals, in seconds."""
 
     @cached_property
     def data_path(self) -> Path:

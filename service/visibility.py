@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, aliased, object_session
 
 from core import accounting, hold
 from core.shapes import plan_shapes, shape_of
-from core.spec import Selection
+from core.spec import MAX_DEPTH, Selection, printable
 from service import ledger
 from service.auth import Principal
 from service.db import Dataset, Job, LedgerEntry, Trial, TrialAttempt
@@ -76,6 +76,26 @@ class TrialView:
     steps: int | None = None
     attempts: list[dict[str, Any]] | None = None
     epsilon: float | None = None
+
+
+def shown(value: Any, depth: int = 0) -> Any:
+    """A stored JSON value as any response can carry it, whatever was stored (by a runner, an
+    older service, by hand): strings and keys with lone surrogates or NUL escaped, non-finite
+    numbers as None, anything nested deeper than ``MAX_DEPTH`` replaced by a note. What a
+    runner may store is checked when it is written (``service.api.runner``); this keeps a
+    view from failing on a value stored before."""
+    match value:
+        case str():
+            return printable(value)
+        case float() if not math.isfinite(value):
+            return None
+        case dict() | list() if depth >= MAX_DEPTH:
+            return f"<nested deeper than {MAX_DEPTH} levels>"
+        case dict():
+            return {printable(str(k)): shown(v, depth + 1) for k, v in value.items()}
+        case list():
+            return [shown(v, depth + 1) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -262,9 +282,11 @@ def trials(job: Job, caller: Principal) -> list[TrialView]:
     return [
         TrialView(
             index=None if secret else t.index,
-            params=t.params,
+            params=shown(t.params),
             score=t.score,
-            metrics=[m for m in t.metrics if m.get("public") is True],
+            metrics=shown(
+                [m for m in t.metrics if isinstance(m, dict) and m.get("public") is True]
+            ),
             thresholds=t.thresholds,
             released=t.id == released,
         )
@@ -285,9 +307,9 @@ def _operator_trials(job: Job) -> list[TrialView]:
     return [
         TrialView(
             index=t.index,
-            params=t.params,
+            params=shown(t.params),
             score=t.score,
-            metrics=t.metrics,
+            metrics=shown(t.metrics),
             thresholds=t.thresholds,
             released=t.id == released,
             status=t.status,

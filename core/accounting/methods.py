@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from core.accounting import checks
 from core.accounting.charges import Charge, trial_rdp
@@ -105,6 +105,11 @@ class Rdp(_Method):
         return epsilon_from_rdp(self.trials * trial, delta)[0]
 
 
+#: the largest cap on trials an (ε, δ) bound is computed for: a count that fits a 32-bit
+#: integer column (a job runs at most ``core.spec.MAX_TRIALS``)
+MAX_CAP = 2**31 - 1
+
+
 class LiuTalwar(_Method):
     """Liu & Talwar, "Private Selection from Private Candidates" (STOC 2019), as paper 001's
     Theorem 1 states it: after each trial stop with probability γ, at most
@@ -114,6 +119,17 @@ class LiuTalwar(_Method):
     gamma: float = Field(gt=0, le=1)
     delta2: float = Field(gt=0, lt=1)
     random_stopping: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _finite_cap(self) -> Self:
+        """The cap T must be a number: for a subnormal γ or δ₂ it overflows (no job could run
+        it, and ⌈∞⌉ is no integer)."""
+        cap = math.log(1 / self.delta2) / self.gamma
+        if not cap < MAX_CAP:
+            raise ValueError(
+                f"gamma: the cap on trials ln(1/δ₂)/γ = {cap:g} is not below {MAX_CAP}"
+            )
+        return self
 
     @property
     def max_trials(self) -> int:
@@ -203,8 +219,9 @@ def tuning_method(method: str | Mapping[str, Any] | TuningMethod, **params: Any)
         return _METHODS.validate_python(data)
     except ValidationError as error:
         first = error.errors()[0]
-        name = ".".join(str(part) for part in first["loc"][1:]) or "method"
-        raise ValueError(f"{name}: {first['msg']}") from None
+        name = ".".join(str(part) for part in first["loc"][1:])
+        message = first["msg"].removeprefix("Value error, ")  # a check naming its own field
+        raise ValueError(f"{name}: {message}" if name else message) from None
 
 
 #: the kinds whose K is random: their analysts see only the released trial (invariant 11)

@@ -14,15 +14,17 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
 from service import lifecycle
-from service.api import datasets, errors, keys, plans, runner
+from service.api import datasets, errors, keys, logs, plans, runner
 from service.api import jobs as jobs_api
 from service.api.limits import BodyLimit, InFlight
+from service.api.shedding import Planning
 from service.auth import bootstrap_operator
 from service.db import create_db_engine, ensure_schema
 from service.db.engine import POOL_SIZE
@@ -33,18 +35,19 @@ log = logging.getLogger(__name__)
 
 
 class RayHealth(BaseModel):
-    reachable: bool | None  # None: not asked yet (the app polls nothing)
+    reachable: bool | None  # None: not asked yet (the first poll has not ended, or no poller)
     error: str | None = None  # why not, in one line that names no address
 
 
 class Health(BaseModel):
     """``/healthz``. HTTP 200 whenever the service answers — it serves budgets, datasets,
     keys, plans and job reads while Ray is down, so a liveness or readiness probe should not
-    restart or drop it then — and ``status`` "degraded" while a dependency does not answer:
-    the database, or the Ray Jobs API (as last polled; also until the first poll has
-    answered)."""
+    restart or drop it then. ``status``: "degraded" while a dependency does not answer (the
+    database, or the Ray Jobs API as last polled); "starting" while the database answers and
+    the service has not heard from Ray yet (its first poll, which may start a local head, has
+    not ended); else "ok"."""
 
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "starting", "degraded"]
     database: Literal["ok", "unreachable"]
     ray: RayHealth
 
@@ -172,15 +175,23 @@ def create_app(
                 poller.cancel()
             engine.dispose()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs and /redoc load their scripts from the package, not a CDN
         title="dptune",
         summary="Differentially private hyperparameter tuning with a per-dataset privacy budget",
         version="0.1.0",
         lifespan=lifespan,
     )
     app.add_middleware(InFlight, limit=POOL_SIZE)  # inside BodyLimit: bodies are read first
+    app.add_middleware(  # outside InFlight: waiting plans hold no request slot
+        Planning,
+        workers=settings.planning_workers,
+        per_key=settings.planning_per_key,
+        queue=settings.planning_queue,
+        retry_after_s=settings.retry_after_s,
+    )
     app.add_middleware(
         BodyLimit,
+        max_depth=settings.max_json_depth,
         max_bytes=settings.max_body_bytes,
         large_paths=runner.MODEL_UPLOAD_PATHS,
         large_bytes=settings.max_model_bytes,
@@ -190,13 +201,17 @@ def create_app(
     errors.install(app)
     for router in (keys.router, datasets.router, plans.router, jobs_api.router, runner.router):
         app.include_router(router)
+    app.include_router(logs.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> Health:
         database = _database(app.state.sessions)
-        ok = database == "ok" and (seen.reachable or not poll_interval)
+        if database != "ok" or seen.reachable is False:
+            state: Literal["ok", "starting", "degraded"] = "degraded"
+        else:
+            state = "starting" if poll_interval and seen.reachable is None else "ok"
         return Health(
-            status="ok" if ok else "degraded",
+            status=state,
             database=database,
             ray=RayHealth(reachable=seen.reachable, error=seen.error),
         )

@@ -9,6 +9,10 @@ and its size and content hash recorded; a file that fails leaves nothing behind.
 data would take more than ``DPTUNE_MAX_DATASET_BYTES`` once read, or that declares over 100
 times its size (a decompression bomb), is refused before it is inflated
 (:func:`workers.data.check_size`).
+
+An operator deletes a dataset only while nothing was ever charged to it, nor any job made on it
+(a mistyped registration): the ledger is append-only (docs/design.md, invariant 7), and a
+dataset's budget belongs to its data for good.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal, Self
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import Select, select, update
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy import Select, delete, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
 
 from core.spec import MAX_ID, Scalar
 from service import ledger, visibility
 from service.api.deps import Caller, Id, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import COMMON, field_error, responses
-from service.db import Dataset, LedgerEntry, begin_write
+from service.api.listing import COUNTED, TOTAL, ListQuery, Page, page
+from service.db import Dataset, Job, LedgerEntry, begin_write, locked_dataset
+from service.db.models import api_key_dataset
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=COMMON)
 
@@ -153,6 +159,11 @@ class LedgerOut(BaseModel):
 
 #: how many ledger rows a response lists
 Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many ledger rows")]
+
+
+class LedgerQuery(ListQuery):
+    after: int = Field(0, ge=0, le=MAX_ID, description="list the rows after this id (0: first)")
+    limit: int = Field(100, ge=1, le=1000, description="at most this many ledger rows")
 
 
 def dataset_out(dataset: Dataset, operator: bool) -> DatasetOut:
@@ -347,6 +358,8 @@ def _install(
             update(Dataset).where(Dataset.id == dataset.id, Dataset.n == 0).values(**values)
         )
         if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            if session.get(Dataset, dataset.id) is None:  # deleted meanwhile
+                raise HTTPException(status.HTTP_404_NOT_FOUND, f"dataset {dataset.id} not found")
             raise _has_data(dataset.id)
         os.replace(partial, target)
         session.commit()
@@ -354,15 +367,55 @@ def _install(
         setattr(dataset, key, value)
 
 
-@router.get("")
-def list_datasets(session: SessionDep, caller: Caller) -> list[DatasetOut]:
-    datasets = session.execute(select(Dataset).order_by(Dataset.id)).scalars()
-    return [dataset_out(d, caller.is_operator) for d in datasets if caller.sees_dataset(d.id)]
+@router.get("", responses=COUNTED)
+def list_datasets(
+    session: SessionDep, caller: Caller, params: Annotated[Page, Query()], response: Response
+) -> list[DatasetOut]:
+    query = select(Dataset).order_by(Dataset.id)
+    if not caller.is_operator:
+        query = query.where(Dataset.id.in_(caller.dataset_ids))
+    return [dataset_out(d, caller.is_operator) for d in page(session, response, query, params)]
 
 
 @router.get("/{dataset_id}", responses=responses(404))
 def get_dataset(dataset_id: Id, session: SessionDep, caller: Caller) -> DatasetOut:
     return dataset_out(visible_dataset(session, caller, dataset_id), caller.is_operator)
+
+
+@router.delete(
+    "/{dataset_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(403, 404, 409)
+)
+def delete_dataset(dataset_id: Id, session: SessionDep, settings: SettingsDep, _: Operator) -> None:
+    """Delete a dataset that was never charged and never had a job (409 naming what it has
+    otherwise), with its uploaded file. It holds the dataset's budget lock, as admission
+    does, so that no job is admitted on it meanwhile; keys lose it from their scope."""
+    dataset = locked_dataset(session, dataset_id)
+    if dataset is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"dataset {dataset_id} not found")
+    used = _used_by(session, dataset_id)
+    if used is not None:
+        raise field_error(
+            "dataset", f"dataset {dataset_id} cannot be deleted: {used}", status.HTTP_409_CONFLICT
+        )
+    session.execute(delete(api_key_dataset).where(api_key_dataset.c.dataset_id == dataset_id))
+    session.delete(dataset)
+    session.commit()
+    kind, _, name = dataset.source.partition(":")
+    if name == f"{UPLOADS}/{dataset_id}.{kind}":  # the service's; a registered file is not
+        (settings.data_path / name).unlink(missing_ok=True)
+
+
+def _used_by(session: Session, dataset_id: int) -> str | None:
+    """Why the dataset must stay, or None: a ledger row (append-only: invariant 7), or a job
+    that trains on it or searches on it as its proxy."""
+    charged = select(LedgerEntry.id).where(LedgerEntry.dataset_id == dataset_id).limit(1)
+    if session.execute(charged).first() is not None:
+        return "its ledger has rows, and the ledger is append-only"
+    uses = or_(Job.dataset_id == dataset_id, Job.spec["proxy"].as_integer() == dataset_id)
+    job = session.execute(select(Job.id).where(uses).order_by(Job.id).limit(1)).scalar()
+    if job is not None:
+        return f"job {job} uses it"
+    return None
 
 
 @router.get("/{dataset_id}/budget", responses=responses(404))
@@ -386,22 +439,23 @@ def get_budget(
     )
 
 
-@router.get("/{dataset_id}/ledger", responses=responses(404))
+@router.get("/{dataset_id}/ledger", responses=responses(404) | COUNTED)
 def get_ledger(
     dataset_id: Id,
     session: SessionDep,
     caller: Caller,
-    after: Annotated[
-        int, Query(ge=0, le=MAX_ID, description="list the rows after this id (0: from the first)")
-    ] = 0,
-    limit: Limit = 100,
+    params: Annotated[LedgerQuery, Query()],
+    response: Response,
 ) -> LedgerOut:
-    """The ledger rows the caller sees, in id order, a page at a time."""
+    """The ledger rows the caller sees, in id order, a page at a time; how many in all in
+    ``X-Total-Count``."""
     dataset = visible_dataset(session, caller, dataset_id)
-    rows = visibility.ledger_rows(caller, dataset).where(LedgerEntry.id > after)
-    page = _entries(session, caller, dataset, rows.order_by(LedgerEntry.id).limit(limit + 1))
-    more = len(page) > limit
-    return LedgerOut(entries=page[:limit], next_after=page[limit - 1].id if more else None)
+    rows = visibility.ledger_rows(caller, dataset).where(LedgerEntry.id > params.after)
+    limit = params.limit
+    shown = _entries(session, caller, dataset, rows.order_by(LedgerEntry.id).limit(limit + 1))
+    more = len(shown) > limit
+    response.headers[TOTAL] = str(visibility.entries_total(caller, dataset))
+    return LedgerOut(entries=shown[:limit], next_after=shown[limit - 1].id if more else None)
 
 
 def _entries(

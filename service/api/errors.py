@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.spec import printable
 from service.planning import PlanError
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
@@ -71,6 +72,7 @@ def _error(loc: tuple, message: str) -> dict[str, str]:
 
 
 def _response(code: int, errors: list[dict[str, str]]) -> JSONResponse:
+    errors = [{name: printable(str(value)) for name, value in e.items()} for e in errors]
     first = errors[0]
     return JSONResponse(
         {"detail": f"{first['field']}: {first['message']}", "errors": errors}, status_code=code
@@ -98,4 +100,6 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.detail, dict):
             return _response(exc.status_code, [exc.detail])
-        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            {"detail": printable(str(exc.detail))}, exc.status_code, headers=exc.headers
+        )

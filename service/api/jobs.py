@@ -13,8 +13,9 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from core.spec import MAX_ID, JobSpec
-from service import lifecycle, reporting, visibility
+from core import accounting
+from core.spec import JobSpec
+from service import admission, lifecycle, reporting, visibility
 from service.api.deps import (
     Caller,
     Id,
@@ -25,9 +26,11 @@ from service.api.deps import (
     visible_job,
 )
 from service.api.errors import COMMON, field_error, responses
+from service.api.listing import COUNTED, JobsQuery, page, page_of
+from service.api.shedding import RESPONSES as SHED
 from service.auth import Principal
 from service.db import Job
-from service.orchestration import OrchestratorUnavailable
+from service.orchestration import Inspectable, JobState, Orchestrator, OrchestratorUnavailable
 from service.own_models import plan_with_model
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON)
@@ -57,6 +60,9 @@ class JobOut(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None = None  # operator only: may quote private data
+    #: why the job is queued, waits or failed: to operators in full (the cluster's message,
+    #: the error); to analysts only reasons fixed before the job started (:func:`reason`)
+    reason: str | None = None
     progress: Progress
     dashboard_url: str | None = None  # operator only
 
@@ -85,7 +91,42 @@ class ModelFile(FileResponse):
         self.headers.setdefault("content-length", str(stat_result.st_size))
 
 
-def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> JobOut:
+UNSUBMITTED = (
+    "waiting for the Ray cluster, which does not answer: the job is handed to it when it "
+    "does; its reservation is held"
+)
+NEVER_STARTED = "failed before it started: no trial ran (an operator can see why)"
+CANCELLED = "cancelled"
+
+
+def reason(job: Job, caller: Principal, status: str, said: str | None = None) -> str | None:
+    """Why the job is ``status`` (as the caller sees it). An analyst gets only reasons that
+    are settled before the job starts — so before any data is read or K drawn — and depend
+    on no private data (invariants 4 and 11): :data:`UNSUBMITTED`, :data:`NEVER_STARTED`,
+    :data:`CANCELLED`; nothing for a job that started. An operator gets the recorded error,
+    else ``said`` (what the cluster says of the job), else why no trial has started yet."""
+    if caller.is_operator and status != JobState.RELEASED:
+        if job.error or said:
+            return job.error or said
+        if status == JobState.RUNNING and not job.trials:
+            cpu, gpu = job.spec["resources"]["cpu"], job.spec["resources"]["gpu"]
+            return (
+                f"no trial has started yet: each waits for {cpu:g} CPUs and {gpu:g} GPUs free "
+                "on one node (the job's log says what Ray Tune waits for)"
+            )
+    if status == JobState.CANCELLED:
+        return CANCELLED
+    if status == JobState.QUEUED and job.submitted_at is None:
+        return UNSUBMITTED
+    if status == JobState.FAILED and job.started_at is None:
+        return NEVER_STARTED
+    return None
+
+
+def job_out(
+    job: Job, caller: Principal, dashboard_url: str | None = None, said: str | None = None
+) -> JobOut:
+    """``said``: what the cluster says of the job, for operators (:func:`cluster_message`)."""
     view = visibility.job_view(job, caller, dashboard_url)
     return JobOut(
         id=job.id,
@@ -94,8 +135,22 @@ def job_out(job: Job, caller: Principal, dashboard_url: str | None = None) -> Jo
         plan=job.plan,
         spec=job.spec,
         created_at=job.created_at,
+        reason=reason(job, caller, view.status, said),
         **asdict(view),
     )
+
+
+def cluster_message(orchestrator: Orchestrator, job: Job) -> str | None:
+    """What the cluster says of a submitted job that waits or failed (Ray: why its job is
+    pending, or how its entrypoint failed, quoting its log), or None when it says nothing or
+    does not answer. For operators only: it may quote the job's output."""
+    waits_or_failed = job.status in (JobState.QUEUED, JobState.FAILED)
+    if not (waits_or_failed and job.submitted_at and isinstance(orchestrator, Inspectable)):
+        return None
+    try:
+        return orchestrator.message(job.id)
+    except OrchestratorUnavailable:
+        return None
 
 
 def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
@@ -104,7 +159,7 @@ def visible_trials(job: Job, caller: Principal) -> list[TrialOut]:
     ]
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, responses=responses(404, 409))
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses=responses(404, 409) | SHED)
 def submit(
     spec: JobSpec,
     session: SessionDep,
@@ -115,15 +170,21 @@ def submit(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> JobOut:
     """Plan the job and reserve its full cost in one transaction (409 when it does not fit;
-    nothing is reserved). A repeated ``Idempotency-Key`` returns the first job."""
+    nothing is reserved). A repeated ``Idempotency-Key`` returns the first job. 422 on
+    ``resources.cpu`` (or ``.gpu``) when no node of the cluster could ever run one of its
+    trials (:mod:`service.admission`; unchecked while the cluster does not answer)."""
     dataset = job_dataset(session, caller, spec)
     planned = plan_with_model(spec, dataset, session, settings)
+    if settings.ray_check_resources:
+        admission.check(spec.resources, orchestrator)
     try:
         job, new = lifecycle.admit(session, caller, spec, planned, idempotency_key)
     except lifecycle.BudgetExceeded as error:
         raise field_error(error.field, str(error), status.HTTP_409_CONFLICT) from None
     except lifecycle.IdempotencyConflict as error:
         raise field_error("Idempotency-Key", str(error), status.HTTP_409_CONFLICT) from None
+    except lifecycle.DatasetGone as error:
+        raise field_error("dataset", str(error), status.HTTP_404_NOT_FOUND) from None
     if new:
         lifecycle.submit(session, orchestrator, job.id)
     else:
@@ -131,24 +192,31 @@ def submit(
     return job_out(job, caller)
 
 
-@router.get("")
+@router.get("", responses=COUNTED)
 def list_jobs(
     session: SessionDep,
     caller: Caller,
-    dataset: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+    params: Annotated[JobsQuery, Query()],
+    response: Response,
 ) -> list[JobOut]:
+    """The caller's jobs, newest first. ``status`` filters on the status the caller sees
+    (:func:`service.visibility.job_view`): an analyst's filter on the status of a random-
+    stopping job tells no more than reading the job does (invariant 11)."""
     query = select(Job).order_by(Job.id.desc())
     if not caller.is_operator:
         query = query.where(
             Job.owner_key_id == caller.key_id, Job.dataset_id.in_(caller.dataset_ids)
         )
-    if dataset is not None:
-        query = query.where(Job.dataset_id == dataset)
-    return [
-        job_out(j, caller) for j in session.execute(query.limit(limit).offset(offset)).scalars()
-    ]
+    if params.dataset is not None:
+        query = query.where(Job.dataset_id == params.dataset)
+    if params.status is None or caller.is_operator:
+        if params.status is not None:
+            query = query.where(Job.status == params.status)
+        return [job_out(j, caller) for j in page(session, response, query, params)]
+    hidden = Job.accounting.in_(accounting.RANDOM_STOPPING)  # the status shown is not stored
+    candidates = session.execute(query.where(hidden | (Job.status == params.status))).scalars()
+    shown = [j for j in candidates if visibility.job_view(j, caller).status == params.status]
+    return [job_out(j, caller) for j in page_of(response, shown, params)]
 
 
 @router.get("/{job_id}", responses=responses(404))
@@ -161,7 +229,8 @@ def get_job(
     job = visible_job(session, caller, job_id)
     if visibility.asks_orchestrator(job, caller):
         lifecycle.refresh(session, orchestrator, job_id)
-    return job_out(job, caller, orchestrator.dashboard_url)
+    said = cluster_message(orchestrator, job) if caller.is_operator else None
+    return job_out(job, caller, orchestrator.dashboard_url, said)
 
 
 @router.get("/{job_id}/trials", responses=responses(404))

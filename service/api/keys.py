@@ -1,18 +1,19 @@
-"""API keys (operators only)."""
+"""API keys (operators only): create, list, revoke."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Annotated, Literal, Self
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, HTTPException, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 
-from core.spec import MAX_ID
-from service.api.deps import Operator, SessionDep
+from core.spec import MAX_ID, Text
+from service.api.deps import Id, Operator, SessionDep
 from service.api.errors import COMMON, field_error, responses
-from service.auth import create_key
+from service.api.listing import COUNTED, Page, page
+from service.auth import LastOperator, create_key, revoke
 from service.db import ApiKey, Dataset, begin_write
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=COMMON | responses(403))
@@ -21,7 +22,7 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=COMMON | response
 class KeyIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("", max_length=100)
+    name: Text = Field("", max_length=100)
     role: Literal["operator", "analyst"]
     datasets: list[Annotated[int, Field(ge=1, le=MAX_ID)]] = Field(
         default_factory=list, max_length=1000
@@ -40,6 +41,14 @@ class KeyOut(BaseModel):
     role: str
     datasets: list[int]
     created_at: datetime
+    bootstrap: bool = Field(description="made by the service at start (DPTUNE_OPERATOR_KEY)")
+    revoked_at: datetime | None = Field(description="null while the key is valid")
+
+
+class KeysQuery(Page):
+    status: Literal["active", "revoked"] | None = None
+    role: Literal["operator", "analyst"] | None = None
+    dataset: int | None = Field(None, ge=1, le=MAX_ID, description="keys scoped to this dataset")
 
 
 class NewKeyOut(KeyOut):
@@ -53,6 +62,8 @@ def _out(key: ApiKey) -> dict:
         "role": key.role,
         "datasets": sorted(d.id for d in key.datasets),
         "created_at": key.created_at,
+        "bootstrap": key.bootstrap,
+        "revoked_at": key.revoked_at,
     }
 
 
@@ -68,7 +79,32 @@ def create(body: KeyIn, session: SessionDep, _: Operator) -> NewKeyOut:
     return NewKeyOut(**_out(key), secret=secret)
 
 
-@router.get("")
-def list_keys(session: SessionDep, _: Operator) -> list[KeyOut]:
-    keys = session.execute(select(ApiKey).order_by(ApiKey.id)).scalars()
-    return [KeyOut(**_out(k)) for k in keys]
+@router.get("", responses=COUNTED)
+def list_keys(
+    session: SessionDep, _: Operator, params: Annotated[KeysQuery, Query()], response: Response
+) -> list[KeyOut]:
+    query = select(ApiKey).order_by(ApiKey.id)
+    if params.status is not None:
+        revoked = ApiKey.revoked_at.is_not(None)
+        query = query.where(revoked if params.status == "revoked" else ~revoked)
+    if params.role is not None:
+        query = query.where(ApiKey.role == params.role)
+    if params.dataset is not None:
+        query = query.where(ApiKey.datasets.any(Dataset.id == params.dataset))
+    return [KeyOut(**_out(k)) for k in page(session, response, query, params)]
+
+
+@router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(404, 409))
+def revoke_key(key_id: Id, session: SessionDep, _: Operator) -> None:
+    """Revoke the key: from the next request on it gets 401 everywhere. Its jobs and ledger
+    rows stay. 409 for the last operator key (create another first); revoking a revoked key
+    changes nothing."""
+    begin_write(session)  # of two operators revoking each other's keys, one is left
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"key {key_id} not found")
+    try:
+        revoke(session, key)
+    except LastOperator as error:
+        raise field_error("key", str(error), status.HTTP_409_CONFLICT) from None
+    session.commit()

@@ -1,12 +1,27 @@
-"""Refuse oversized request bodies before anything parses them."""
+"""Refuse oversized or too deeply nested request bodies before anything parses them, and hold
+back requests past what the database pool serves at once."""
 
 from __future__ import annotations
 
 import json
 import re
+from itertools import accumulate
 from typing import Any
 
 import anyio
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest, counted on its bytes without
+    parsing it (a parser recurses once per level: ``json``'s and pydantic's raise
+    ``RecursionError`` a few hundred levels down). Brackets inside strings do not count;
+    text that is not JSON gets some number, and its parser refuses it."""
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
 class _TooLarge(Exception):
@@ -17,7 +32,8 @@ class BodyLimit:
     """Pure ASGI middleware: reads the request body itself, at most ``max_bytes`` of it (or
     ``large_bytes`` on paths matching ``large_paths``: model uploads), and answers 413 when
     there is more (whether ``Content-Length`` says so up front or a chunked body runs over);
-    otherwise replays the body to the application.
+    otherwise replays the body to the application. A body of at most ``max_bytes`` that nests
+    deeper than ``max_depth`` (:func:`json_depth`) is answered 422 before anything parses it.
 
     On paths matching ``streamed_paths`` (dataset uploads, up to ``streamed_bytes``) the body is
     not held in memory: the application reads it as it arrives, and the chunk that runs over
@@ -31,8 +47,10 @@ class BodyLimit:
         large_bytes: int = 0,
         streamed_paths: str = r"(?!)",
         streamed_bytes: int = 0,
+        max_depth: int = 64,
     ) -> None:
         self.app = app
+        self.max_depth = max_depth
         self.max_bytes, self.large_bytes = max_bytes, large_bytes
         self.large_paths = re.compile(large_paths)
         self.streamed_paths, self.streamed_bytes = re.compile(streamed_paths), streamed_bytes
@@ -42,11 +60,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         streamed = self.streamed_paths.fullmatch(scope["path"]) is not None
-        if streamed:
-            limit = self.streamed_bytes
-        else:
-            large = self.large_paths.fullmatch(scope["path"])
-            limit = self.large_bytes if large else self.max_bytes
+        large = not streamed and self.large_paths.fullmatch(scope["path"]) is not None
+        limit = self.streamed_bytes if streamed else self.large_bytes if large else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             await self._refuse(send, limit)
@@ -67,6 +82,11 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
+        if not large and json_depth(body) > self.max_depth:
+            detail = f"body: nested deeper than {self.max_depth} arrays and objects"
+            await _answer(send, 422, {"detail": detail, "errors": [_field(detail)]})
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -74,7 +94,7 @@ class BodyLimit:
             if replayed:
                 return await receive()
             replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
 
@@ -95,18 +115,19 @@ class BodyLimit:
             await self._refuse(send, limit)
 
     async def _refuse(self, send: Any, limit: int) -> None:
-        body = json.dumps({"detail": f"body: larger than {limit} bytes"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 413, {"detail": f"body: larger than {limit} bytes"})
+
+
+def _field(detail: str) -> dict[str, str]:
+    field, message = detail.split(": ", 1)
+    return {"field": field, "message": message}
+
+
+async def _answer(send: Any, status: int, content: dict[str, Any]) -> None:
+    body = json.dumps(content).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class InFlight:

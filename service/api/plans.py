@@ -8,6 +8,7 @@ from core.spec import JobSpec
 from service import ledger
 from service.api.deps import Caller, SessionDep, SettingsDep, job_dataset
 from service.api.errors import COMMON, responses
+from service.api.shedding import RESPONSES as SHED
 from service.own_models import plan_with_model
 from service.planning import Plan
 
@@ -21,9 +22,11 @@ class PlanOut(Plan):
     fits: bool
 
 
-@router.post("", responses=responses(404))
+@router.post("", responses=responses(404) | SHED)
 def plan(spec: JobSpec, session: SessionDep, caller: Caller, settings: SettingsDep) -> PlanOut:
-    """What the job would cost, and the inspection of an imported model (``model``)."""
+    """What the job would cost, and the inspection of an imported model (``model``). Runs
+    in the planning pool (:class:`service.api.shedding.Planning`): 429 or 503 when it is
+    full."""
     dataset = job_dataset(session, caller, spec)
     planned = plan_with_model(spec, dataset, session, settings)
     now = ledger.budget(session, dataset)

@@ -15,20 +15,19 @@ computed here from the recorded attempts.
 from __future__ import annotations
 
 import hmac
-import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
 from core.config import DatasetConfig, StateTensor
 from core.shapes import plan_shapes, shape_of
-from core.spec import MAX_ID, JobSpec, Scalar
+from core.spec import MAX_ID, JobSpec, Scalar, check_json, printable
 from service import attempts, ledger, lifecycle, visibility
 from service.api.deps import Id, SessionDep, SettingsDep
 from service.api.errors import COMMON, field_error, responses
@@ -88,26 +87,20 @@ class JobContextOut(BaseModel):
     proxy: dict[str, Any] | None = None  # the public dataset the job searches on, if any
 
 
-def _finite(value: Any) -> Any:
-    """Refuse NaN and ±Infinity anywhere in a JSON value: Python's JSON parser accepts them,
-    but they are not JSON — PostgreSQL refuses to store them (a 500) and no response may carry
-    them."""
-    match value:
-        case float() if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        case dict():
-            for item in value.values():
-                _finite(item)
-        case list():
-            for item in value:
-                _finite(item)
-    return value
+class Stored(Strict):
+    """A body whose values are stored and shown in views: JSON that every database stores and
+    every response renders — finite numbers, at most ``MAX_DEPTH`` levels, strings that are
+    text (no lone surrogate, no NUL). Python's JSON parser accepts NaN and Infinity, which are
+    not JSON: PostgreSQL refuses to store them, and no response may carry them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        check_json(data)
+        return data
 
 
-FiniteJson = Annotated[Any, AfterValidator(_finite)]
-
-
-class AttemptIn(Strict):
+class AttemptIn(Stored):
     index: int = Field(ge=0, le=MAX_ID)
     params: dict[str, Scalar]  # the candidate's hyperparameters
     node: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}$")  # the Ray node id, hex
@@ -117,9 +110,9 @@ class AttemptOut(BaseModel):
     attempt: int
 
 
-class ProgressIn(Strict):
+class ProgressIn(Stored):
     steps: int = Field(ge=0, le=MAX_ID)
-    metrics: list[dict[str, FiniteJson]] = Field(max_length=10_000)
+    metrics: list[dict[str, Any]] = Field(max_length=10_000)
 
 
 class FinishIn(Strict):
@@ -131,7 +124,14 @@ class FinishIn(Strict):
 
 class EndIn(Strict):
     state: Literal["released", "succeeded", "failed"]
+    #: stored as text: what cannot be (NUL, a lone surrogate) is escaped, never refused, so
+    #: that the job's end is recorded whatever its error says
     error: str | None = Field(None, max_length=2000)
+
+    @field_validator("error", mode="before")
+    @classmethod
+    def _text(cls, error: Any) -> Any:
+        return printable(error) if isinstance(error, str) else error
 
 
 class EndOut(BaseModel):

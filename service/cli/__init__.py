@@ -2,7 +2,7 @@
 
 import typer
 
-from service.cli import account, audit, db, demo, report, serve
+from service.cli import account, audit, db, demo, ray, report, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -18,4 +18,5 @@ app.command()(serve.serve)
 app.command()(demo.demo)
 app.command()(audit.audit)
 app.add_typer(db.app, name="db")
+app.add_typer(ray.app, name="ray")
 app.command()(report.report)

@@ -24,6 +24,7 @@ from core.accounting import gaussian_rdp, tuning_epsilon
 from service.api import create_app
 from service.api.server import BackgroundServer, free_port
 from service.cluster import ray_orchestrator
+from service.cluster.head import load_record, stop_head
 from service.orchestration import OrchestratorUnavailable
 from service.settings import Settings
 
@@ -53,12 +54,15 @@ ACTIVE = ("queued", "running")
 
 def _fresh(directory: Path) -> None:
     """Start from an empty directory (the data dir, the state dir beside it), but never wipe
-    one that is not a previous demo's."""
+    one that is not a previous demo's — nor the record of a Ray head it left running
+    (``--keep-ray``), which is stopped first."""
     if directory.exists():
         if any(directory.iterdir()) and not (directory / ".dptune-demo").exists():
             raise typer.BadParameter(
                 f"{directory} exists and is not a dptune demo directory", param_hint="--data-dir"
             )
+        if record := load_record(directory):
+            stop_head(record)
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
     (directory / ".dptune-demo").touch()
@@ -175,13 +179,16 @@ def demo(
     settings = Settings(data_dir=data_dir, state_dir=None, operator_key=key)
     _fresh(settings.data_path)
     _fresh(settings.state_path)
-    console.print("Starting a local Ray head (dashboard on 127.0.0.1) …")
+    console.print("Starting the demo's own Ray head (dashboard on 127.0.0.1) …")
     port = free_port()
     orchestrator = ray_orchestrator(settings, f"http://127.0.0.1:{port}")
+    head = orchestrator.local_head
     try:
         orchestrator.check()  # starts the local head
     except OrchestratorUnavailable as error:
-        console.print(f"dptune demo: {error}")
+        console.print(f"dptune demo: {head.why if head and head.why else error}")
+        if head is not None:
+            head.stop()  # one that started but never answered
         raise typer.Exit(1) from None
     app = create_app(settings, orchestrator, settings.poll_interval_s)
     try:
@@ -220,5 +227,10 @@ def demo(
             _summary(api, jobs, dataset["id"], data_dir, console)
             console.print(f"Ray dashboard (jobs and their logs): {orchestrator.dashboard_url}")
     finally:
-        if not keep_ray and orchestrator.local_head is not None:
-            orchestrator.local_head.stop()
+        if head is not None and not keep_ray:
+            head.stop()  # by its process ids: no other Ray cluster is touched
+        elif head is not None:
+            console.print(
+                f"The Ray head keeps running: `dptune ray status --data-dir {data_dir}`; "
+                f"`dptune ray stop --data-dir {data_dir}` ends it."
+            )

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Annotated
 
 import typer
-import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from service.api import create_app
+from service.api import create_app, server
 from service.cluster import ray_orchestrator
 from service.settings import Settings, StartupError
 
@@ -48,14 +45,5 @@ def settings_error(error: ValidationError) -> str:
 
 
 def run(app: FastAPI, host: str, port: int) -> None:
-    """Serve ``app`` with uvicorn, entering its lifespan first: a start-up failure (a
-    :class:`StartupError` about the database) then reaches :func:`serve` as an exception
-    before anything listens — uvicorn itself would log it as a traceback."""
-
-    async def main() -> None:
-        async with app.router.lifespan_context(app):
-            config = uvicorn.Config(app, host=host, port=port, lifespan="off")
-            await uvicorn.Server(config).serve()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    """Serve ``app`` (:func:`service.api.server.serve`)."""
+    server.serve(app, host, port)

@@ -1,5 +1,5 @@
-"""Ray: the local head the service starts by default, and the orchestrator that runs each
-admitted tuning job as a Ray job."""
+"""Ray: the local head a state dir owns, started by default, and the orchestrator that runs
+each admitted tuning job as a Ray job."""
 
 from service.cluster.head import RayConnection, connect
 from service.cluster.ray_jobs import RayOrchestrator, ray_orchestrator

@@ -13,13 +13,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import httpx
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from service.admission import misfit
 from service.cluster.head import LocalHead, RayConnection, connection_to, probe
-from service.orchestration import JobState, OrchestratorUnavailable, Submission
+from service.orchestration import JobState, Node, OrchestratorUnavailable, Submission
 from service.settings import Settings, StartupError
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class RayOrchestrator:
     namespace: str
     local_head: LocalHead | None = None
     reuse_processes: bool = True  # Settings.reuse_trial_processes
+    check_resources: bool = True  # Settings.ray_check_resources
     _client: JobSubmissionClient | None = field(default=None, init=False, repr=False)
 
     @property
@@ -140,7 +143,16 @@ class RayOrchestrator:
         submission of one job: that refusal ("already exists") means it has the job. Ray
         answers 500 to a submission its job agent could not take (not up yet after a restart:
         "please try again later"), so only a 4xx refuses the job (:class:`SubmissionRefused`);
-        a 5xx leaves it queued for the next try."""
+        a 5xx leaves it queued for the next try.
+
+        A job whose trials no live node can run is refused too (with ``check_resources``): it
+        was admitted while the cluster did not answer, so admission could not check it
+        (:mod:`service.admission`); submitted, it would wait for ever holding its reservation.
+        """
+        if self.check_resources and submission.resources:
+            problem = misfit(submission.resources, self.nodes())
+            if problem is not None:
+                raise SubmissionRefused(str(problem))
 
         def submit_job() -> None:
             try:
@@ -192,7 +204,46 @@ class RayOrchestrator:
         return states
 
     def logs(self, job_id: int) -> str:
-        return _jobs_api(lambda: self.client.get_job_logs(self.submission_id(job_id)))
+        try:
+            return _jobs_api(lambda: self.client.get_job_logs(self.submission_id(job_id)))
+        except _NoSuchJob:
+            return ""
+
+    def message(self, job_id: int) -> str | None:
+        """Ray's message for the job (e.g. that it waits for resources, or how its entrypoint
+        failed, quoting the end of its log)."""
+        try:
+            info = _jobs_api(lambda: self.client.get_job_info(self.submission_id(job_id)))
+        except _NoSuchJob:
+            return None
+        return info.message or None
+
+    def nodes(self) -> list[Node]:
+        """The live nodes and their total resources, from Ray's State API (``GET
+        /api/v0/nodes``, what ``ray list nodes`` reads), on the dashboard the Jobs API is on."""
+        try:
+            response = httpx.get(
+                f"{self.connection.dashboard_url}/api/v0/nodes",
+                params={"limit": 10_000},
+                headers=self.connection.headers,
+                timeout=5,
+            )
+        except httpx.HTTPError as error:
+            raise OrchestratorUnavailable(
+                f"no answer from the Ray State API ({type(error).__name__})"
+            ) from None
+        if response.status_code != 200:
+            raise OrchestratorUnavailable(f"the Ray State API answered HTTP {response.status_code}")
+        try:
+            listed = response.json()["data"]["result"]["result"]
+            return [_node(n) for n in listed if n.get("state") == "ALIVE"]
+        except (ValueError, LookupError, TypeError, AttributeError):
+            raise OrchestratorUnavailable("the Ray State API answered an unknown form") from None
+
+
+def _node(node: dict[str, Any]) -> Node:
+    total = node.get("resources_total") or {}
+    return Node(cpu=float(total.get("CPU", 0)), gpu=float(total.get("GPU", 0)))
 
 
 def namespace(database_url: str) -> str:
@@ -202,12 +253,11 @@ def namespace(database_url: str) -> str:
 
 
 def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
-    """The orchestrator of the configured Ray cluster, or of the local head on
-    ``DPTUNE_RAY_DASHBOARD_PORT`` (started by :meth:`RayOrchestrator.check` when none answers);
-    jobs' runners will report to ``control_url``. Nothing is contacted here: the service
-    starts, degraded, while Ray is down. A local head outlives the service on purpose: running
-    jobs carry on across a restart and are reconciled when it comes back (``ray stop`` ends
-    it)."""
+    """The orchestrator of the configured Ray cluster, or of the local head the state dir owns
+    (started by :meth:`RayOrchestrator.check` when it does not answer); jobs' runners will
+    report to ``control_url``. Nothing is contacted here: the service starts, degraded, while
+    Ray is down. A local head outlives the service on purpose: running jobs carry on across a
+    restart and are reconciled when it comes back (``dptune ray stop`` ends it)."""
     address = settings.ray_address
     if address is not None and not address.startswith(("http://", "https://")):
         raise StartupError(
@@ -219,6 +269,7 @@ def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
         None
         if address
         else LocalHead(
+            settings.state_path,
             settings.ray_dashboard_port,
             settings.ray_num_cpus,
             settings.ray_num_gpus,
@@ -226,10 +277,11 @@ def ray_orchestrator(settings: Settings, control_url: str) -> RayOrchestrator:
         )
     )
     return RayOrchestrator(
-        connection_to(settings.state_path, address, settings.ray_dashboard_port),
+        local_head.connection if local_head else connection_to(settings.state_path, address),
         settings.control_url or control_url,
         settings.data_path,
         namespace(settings.sqlalchemy_url),
         local_head,
         settings.reuse_trial_processes,
+        settings.ray_check_resources,
     )

@@ -5,12 +5,19 @@ SQLite: pysqlite's own transaction handling is disabled and we emit ``BEGIN`` ou
 that a budget transaction can start with ``BEGIN IMMEDIATE``: it takes the database's write
 lock *before* reading the ledger, so two admissions can never both read the same total.
 PostgreSQL: the same transaction locks the dataset row with ``SELECT … FOR UPDATE``.
+
+On SQLite the write transactions of one process also queue on a lock of their engine before
+``BEGIN IMMEDIATE``, so that at most one of them waits in SQLite's busy handler. That handler
+polls with growing sleeps, first come is not first served, and with a hundred writers in
+flight one could wait out the busy timeout and fail with "database is locked" (HTTP 500).
+Writers in other processes still meet the busy timeout.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from typing import Any
 
@@ -32,6 +39,9 @@ pool (5 + 10) ran dry — requests queued on the budget lock held the connection
 failed after its 30 s timeout (HTTP 500), some after their job was admitted
 (bench/service_load.py). 40 is also anyio's default number of worker threads."""
 POOL = {"pool_size": POOL_SIZE, "max_overflow": 10}  # overflow: the poller, health checks
+
+WRITER = "dptune_sqlite_writer"
+"""Connection record info key: the connection's transaction holds its engine's writer lock."""
 
 SQLITE_TIMEOUT_S = 60.0
 """How long a SQLite connection waits for another's lock (its busy timeout), and for a new
@@ -91,12 +101,38 @@ def _create(url: URL) -> Engine:
         dbapi_connection.execute("PRAGMA foreign_keys=ON")
         _journal_wal(dbapi_connection)  # readers do not wait for the writer
 
+    writer = threading.Lock()
+
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        immediate = connection.get_execution_options().get(IMMEDIATE, False)
-        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+        if not connection.get_execution_options().get(IMMEDIATE, False):
+            connection.exec_driver_sql("BEGIN")
+            return
+        held = connection.connection.record_info
+        if not held.get(WRITER, False):  # else kept from a transaction that ended unseen
+            writer.acquire()
+            held[WRITER] = True
+        try:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            _release(held, writer)
+            raise
 
+    def _on_end(connection: Any) -> None:
+        if not connection.invalidated:  # else at its checkin
+            _release(connection.connection.record_info, writer)
+
+    event.listen(engine, "commit", _on_end)
+    event.listen(engine, "rollback", _on_end)
+    event.listen(engine.pool, "checkin", lambda _dbapi, entry: _release(entry.record_info, writer))
     return engine
+
+
+def _release(info: dict[str, Any], writer: threading.Lock) -> None:
+    """End a write transaction's hold on its engine's writer lock: at its commit or rollback,
+    at the latest when its connection goes back to the pool (invalidated ones too)."""
+    if info.pop(WRITER, False):
+        writer.release()
 
 
 def _journal_wal(dbapi_connection: sqlite3.Connection) -> None:

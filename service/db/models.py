@@ -77,6 +77,12 @@ class ApiKey(Base):
     role: Mapped[str] = mapped_column(String(16))  # "operator" | "analyst"
     secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(Timestamp(), default=utcnow)
+    #: made by the service at start (``DPTUNE_OPERATOR_KEY``, or the key it printed): a new
+    #: ``DPTUNE_OPERATOR_KEY`` revokes it (:func:`service.auth.bootstrap_operator`)
+    bootstrap: Mapped[bool] = mapped_column(default=False, server_default=false())
+    #: when an operator revoked it: it authenticates no more. The row stays, as the jobs and
+    #: ledger rows it made name it.
+    revoked_at: Mapped[datetime | None] = mapped_column(Timestamp())
     datasets: Mapped[list[Dataset]] = relationship(secondary=api_key_dataset)
 
 
@@ -86,6 +92,8 @@ class Dataset(Base):
     use it. Registered data always has examples (``workers.data.check`` refuses none)."""
 
     __tablename__ = "dataset"
+    #: SQLite would reuse the id of the last dataset deleted; ids are never reused
+    __table_args__ = {"sqlite_autoincrement": True}  # noqa: RUF012
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)

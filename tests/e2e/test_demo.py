@@ -1,21 +1,24 @@
-"""``dptune demo`` end to end as a user runs it (a subprocess), on the session's Ray head."""
+"""``dptune demo`` end to end as a user runs it (a subprocess), on a Ray head of its own beside
+the session's, which it leaves running (issue 42)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from safetensors import safe_open
 
-from .conftest import TEST_DASHBOARD_PORT
+from service.cluster.head import head_processes, load_record, probe
 
 DPTUNE = str(Path(sys.executable).parent / "dptune")
 
 
 def run_demo(data_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DPTUNE_RAY_DASHBOARD_PORT": str(TEST_DASHBOARD_PORT), "COLUMNS": "200"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUNE_")}
+    env["COLUMNS"] = "200"
     return subprocess.run(
         [DPTUNE, "demo", "--data-dir", str(data_dir)],
         env=env,
@@ -26,12 +29,17 @@ def run_demo(data_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_runs_both_jobs_and_releases_their_models(ray_head, tmp_path) -> None:
+def test_demo_runs_both_jobs_on_its_own_head_beside_another(ray_head, tmp_path) -> None:
     data_dir = tmp_path / "demo"
     result = run_demo(data_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("— released") == 2
-    assert "remaining" in result.stdout and ray_head.dashboard_url in result.stdout
+    own = load_record(tmp_path / "demo-state")
+    assert own is not None and own.dashboard_url in result.stdout
+    assert "remaining" in result.stdout and ray_head.dashboard_url not in result.stdout
+    assert not head_processes(own)  # its head stopped, by its own process ids
+    assert probe(ray_head) is None  # the other head still answers
+    shutil.rmtree(own.temp_dir)  # its Ray logs
     for job in (1, 2):
         with safe_open(str(data_dir / "models" / f"job-{job}.safetensors"), "pt") as f:
             assert "config" in f.metadata()

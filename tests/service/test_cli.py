@@ -3,11 +3,15 @@ the database in the state dir, apart from the data dir that Ray jobs receive."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import typer
 from typer.testing import CliRunner
 
 from service.cli import app as cli
 from service.cli.serve import serve
+from service.cluster.head import own_record
 from service.orchestration import NullOrchestrator
 
 
@@ -55,3 +59,31 @@ def test_db_commands_keep_the_database_in_the_state_dir(tmp_path):
     assert runner.invoke(cli, ["db", "current"], env=env).output.endswith("(current)\n")
     assert (tmp_path / "data-state" / "dptune.db").stat().st_size > 0
     assert not any((tmp_path / "data").iterdir())
+
+
+def test_ray_status_and_stop_manage_the_head_the_data_dir_owns(tmp_path):
+    """``dptune ray status`` names the recorded dashboard, ports and the head's process ids;
+    ``dptune ray stop`` ends those processes (a stand-in naming the head's temp dir) alone."""
+    env = {"RAY_AUTH_MODE": "disabled", "DPTUNE_DATA_DIR": str(tmp_path / "data")}
+    runner = CliRunner()
+    never = runner.invoke(cli, ["ray", "status"], env=env)
+    assert never.exit_code == 3 and "never started" in never.output
+    record = own_record(tmp_path / "data-state")
+    marker = f"--temp-dir={record.temp_dir}"
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker + "0"])
+    try:
+        up = runner.invoke(cli, ["ray", "status", "--data-dir", str(tmp_path / "data")], env=env)
+        assert up.exit_code == 0, up.output
+        assert f"pids: {ours.pid}\n" in up.output and record.dashboard_url in up.output
+        assert f"gcs {record.gcs_port}" in up.output and "not answering" in up.output
+        stopped = runner.invoke(cli, ["ray", "stop"], env=env)
+        assert stopped.exit_code == 0 and "(1 processes)" in stopped.output
+        assert ours.wait(timeout=10) is not None and other.poll() is None
+        down = runner.invoke(cli, ["ray", "status"], env=env)
+        assert down.exit_code == 3 and "state: down" in down.output
+        assert "no local Ray head" in runner.invoke(cli, ["ray", "stop"], env=env).output
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()

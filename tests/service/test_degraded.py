@@ -246,6 +246,33 @@ def test_queued_jobs_are_submitted_once_in_order_when_ray_answers_again(start) -
     assert svc.entries(jobs[0]) == ["reservation", "charge"]
 
 
+class SlowFirstProbe(Cluster):
+    """A cluster whose first probe waits for ``answer`` (a local head starting: minutes)."""
+
+    def __init__(self, up: bool) -> None:
+        super().__init__(up=up)
+        self.answer = threading.Event()
+
+    def check(self) -> None:
+        self.answer.wait(timeout=30)
+        super().check()
+
+
+@pytest.mark.parametrize(("up", "then"), [(True, "ok"), (False, "degraded")])
+def test_healthz_tells_not_polled_yet_from_degraded(start, up, then) -> None:
+    cluster = SlowFirstProbe(up)
+    svc = start(cluster)
+    starting = svc.health()
+    assert starting == {
+        "status": "starting",
+        "database": "ok",
+        "ray": {"reachable": None, "error": None},
+    }
+    cluster.answer.set()
+    health = eventually(lambda: (h := svc.health())["ray"]["reachable"] is not None and h)
+    assert health["status"] == then and health["ray"]["reachable"] is up
+
+
 def test_a_submission_whose_reply_was_lost_is_not_submitted_again(start) -> None:
     cluster = Cluster(lose_reply=True)
     svc = start(cluster, poll=None)
@@ -467,12 +494,14 @@ def test_what_a_submission_failure_means(monkeypatch, error, outcome) -> None:
             ray.submit(submission)
 
 
-def test_a_local_head_that_does_not_start_is_retried_in_the_background(monkeypatch) -> None:
+def test_a_local_head_that_does_not_start_is_retried_in_the_background(
+    monkeypatch, tmp_path
+) -> None:
     tries: list[int] = []
 
-    def cannot_start(port: int, *_: object) -> None:
-        tries.append(port)
-        raise RuntimeError("could not start a local Ray head:\nport taken")
+    def cannot_start(record: head.HeadRecord, *_: object) -> None:
+        tries.append(record.dashboard_port)
+        raise head.HeadError("`ray start` failed: port taken")
 
     monkeypatch.setattr(head, "_start_head", cannot_start)
     port = closed_port()
@@ -481,7 +510,7 @@ def test_a_local_head_that_does_not_start_is_retried_in_the_background(monkeypat
         "",
         Path("."),
         "t",
-        LocalHead(port, retry_s=0.5),
+        LocalHead(tmp_path, port, retry_s=0.5),
     )
     for _ in range(3):  # the poller's rounds: one try per retry_s
         with pytest.raises(OrchestratorUnavailable, match="could not start the local Ray head"):

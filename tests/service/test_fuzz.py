@@ -11,6 +11,8 @@ as they were (nothing spent by a refusal; docs/design.md, invariant 2).
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +211,99 @@ def test_fuzz_every_operation(world: World) -> None:
                 _fuzz(world, operation, mode, examples)
             except (Exception, BaseExceptionGroup) as error:  # report every operation
                 failures.append(f"{operation.label} ({mode.value}): {_describe(error)}")
+    assert not failures, "\n\n".join(failures)
+
+
+#: what a typed generator never draws but a client can send: strings that are not text (a lone
+#: surrogate; NUL, which PostgreSQL refuses) and numbers at and past every edge
+HOSTILE = st.sampled_from(
+    ["\ud800", "a\udfffb", "\x00", "x\x00y", 5e-324, -5e-324, 1e300, -1e300, 2**63, 2**31, -1, 0]
+)
+HOSTILE_EXAMPLES = 10  # per operation with a JSON body
+
+
+def _leaves(value: Any, path: tuple = ()) -> list[tuple]:
+    """Every place in a JSON value: each item's path (its last part a key or an index)."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return [path]
+    return [path, *(leaf for key, item in items for leaf in _leaves(item, (*path, key)))]
+
+
+def _mutated(body: Any, path: tuple, hostile: Any, rename: bool) -> Any:
+    """``body`` with the value at ``path`` replaced by ``hostile``, or (``rename``, a string
+    ``hostile`` and a key at ``path``) that key renamed to it."""
+    if not path:
+        return hostile
+    body = copy.deepcopy(body)
+    *parents, last = path
+    node = body
+    for part in parents:
+        node = node[part]
+    if rename and isinstance(node, dict) and isinstance(hostile, str):
+        node[hostile] = node.pop(last)
+    else:
+        node[last] = hostile
+    return body
+
+
+def _fuzz_hostile(world: World, operation: Any) -> None:
+    internal = operation.path.startswith("/internal/")
+    auth = world.internal_auth if internal else world.auth
+    known = {name: values for name, values in world.ids.items() if name in operation.path}
+
+    @hypothesis_settings(
+        max_examples=HOSTILE_EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
+        who=st.sampled_from(sorted(auth)),
+        real=st.fixed_dictionaries({name: st.sampled_from(v) for name, v in known.items()}),
+        where=st.integers(min_value=0),
+        hostile=HOSTILE,
+        rename=st.booleans(),
+    )
+    def check(case: Any, who: str, real: dict[str, int], where: int, hostile: Any, rename: bool):
+        if isinstance(case.path_parameters, dict):
+            case.path_parameters.update(real)
+        leaves = _leaves(case.body)
+        body = _mutated(case.body, leaves[where % len(leaves)], hostile, rename)
+        path = operation.path.format(**(case.path_parameters or {}))
+        before = state(world.engine)
+        response = httpx.request(
+            operation.method.upper(),
+            f"{world.url}{path}",
+            headers=auth[who] | {"content-type": "application/json"},
+            content=json.dumps(body),
+            timeout=120,
+        )
+        assert response.status_code < 500, (body, response.text[:300])
+        json.loads(response.content.decode("utf-8") or "null")  # renders, whatever it echoes
+        if 400 <= response.status_code < 500:
+            assert state(world.engine) == before, (body, response.text[:300])
+
+    check()
+
+
+def test_fuzz_hostile_values_in_every_body(world: World) -> None:
+    """Each operation with a JSON body, a valid request with one value or key replaced by a
+    hostile one: never a 5xx, a body that renders, and nothing changed by a refusal."""
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{world.url}/openapi.json").json())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    failures = []
+    for operation in operations:
+        if operation.body and any(b.media_type == "application/json" for b in operation.body):
+            try:
+                _fuzz_hostile(world, operation)
+            except (Exception, BaseExceptionGroup) as error:  # report every operation
+                failures.append(f"{operation.label}: {_describe(error)}")
     assert not failures, "\n\n".join(failures)
 
 

@@ -37,6 +37,7 @@ def test_concurrent_submissions_admit_exactly_what_fits(load, database_url, tmp_
     assert result.admitted == result.expected_admitted == 18  # a fifth of 90 keys
     assert set(result.statuses[load.SUBMIT]) == {"202", "409"}
     assert result.server_errors == 0
+    assert result.shed == 0  # 16 in flight fit in the planning queue
     assert result.max_committed_seen <= result.committed_epsilon <= result.budget_epsilon
     assert result.ledger_rows == result.admitted
 

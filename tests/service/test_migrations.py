@@ -272,3 +272,40 @@ def test_the_upgrade_to_row_counts_counts_the_rows_already_there(settings):
         views = visibility.ledger_entries(session, operator, dataset, ledger.rows_of(1))
         assert [v.epsilon for v in views] == [ledger.entry_epsilon(e, 1e-5) for e in entries[:4]]
     engine.dispose()
+
+
+def test_the_upgrade_to_revocable_keys_marks_the_bootstrap_keys(settings):
+    """Revision 0010: keys are valid; the operator keys named "bootstrap operator" (made by the
+    service at start before keys were marked) are marked, so that a new DPTUNE_OPERATOR_KEY
+    revokes them. On SQLite a deleted dataset's id is not given again."""
+    engine = _at_revision(settings, "0009")
+    keys = [  # (id, name, role)
+        (1, "bootstrap operator", "operator"),
+        (2, "bootstrap operator", "analyst"),
+        (3, "ops", "operator"),
+    ]
+    with engine.begin() as conn:
+        for key, name, role in keys:
+            conn.execute(
+                text(
+                    "INSERT INTO api_key (id, name, role, secret_sha256, created_at) VALUES "
+                    f"({key}, '{name}', '{role}', 'k{key}', CURRENT_TIMESTAMP)"
+                )
+            )
+    assert upgrade(engine) == ("0009", head_revision())
+    with engine.begin() as conn:
+        marked = conn.execute(text("SELECT id, bootstrap, revoked_at FROM api_key ORDER BY id"))
+        assert marked.all() == [(1, True, None), (2, False, None), (3, False, None)]
+        for _ in range(2):
+            conn.execute(
+                text(
+                    "INSERT INTO dataset (name, source, options, n, num_classes, input_shape, "
+                    "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                    "('d', 'builtin:digits', '{}', 10, 3, '[4]', false, 1, 1e-5, '', "
+                    "CURRENT_TIMESTAMP) "
+                )
+            )
+            last = conn.execute(text("SELECT max(id) FROM dataset")).scalar()
+            conn.execute(text(f"DELETE FROM dataset WHERE id = {last}"))
+        assert last == 2
+    engine.dispose()

@@ -98,7 +98,8 @@ def test_a_local_ray_head_does_not_inherit_the_services_settings(
 
     monkeypatch.setattr(head_module.subprocess, "run", fake_run)
     with pytest.raises(SystemExit):
-        head_module._start_head(8299, 1, 0)
+        record = head_module.choose_record().model_copy(update={"temp_dir": tmp_path / "ray"})
+        head_module._start_head(record, 1, 0)
     assert not any(name.startswith("DPTUNE_") for name in seen["env"])
     assert OPERATOR_KEY not in repr(seen["env"]) and "s3cret" not in repr(seen["env"])
 
@@ -232,7 +233,7 @@ def test_the_state_dir_is_the_owners_alone(environ, tmp_path: Path) -> None:
     finally:
         os.umask(umask)
     assert stat.S_IMODE(settings.state_path.stat().st_mode) == 0o700
-    names = ("dptune.db", "dptune.db-wal", "dptune.db-shm", "ray-auth-token")
+    names = ("dptune.db", "dptune.db-wal", "dptune.db-shm", "ray-auth-token", "ray-head.json")
     assert modes == dict.fromkeys(names, 0o600)
     assert not any(settings.data_path.rglob("*"))  # nothing of it in the shared data dir
 

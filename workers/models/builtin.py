@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.config import ModelConfig
+from core.config import BUILTIN_OPTIONS, ModelConfig
 
 Shape = tuple[int, ...]
 Options = dict[str, float | int | str | bool]
@@ -270,16 +270,9 @@ BUILDERS: dict[str, Callable[[Shape, int, Options], nn.Module]] = {
     "transformer": transformer,
 }
 
-#: Options each model reads; anything else is rejected with the option's name.
-OPTIONS = {
-    "logreg": {"bias"},
-    "mlp": {"hidden", "layers"},
-    "cnn": set(),
-    "resnet18": {"width", "norm_groups"},
-    "resnet34": {"width", "norm_groups"},
-    "lstm": {"hidden", "layers"},
-    "transformer": {"dim", "heads", "layers", "ff"},
-}
+#: Options each model reads (declared in ``core.config``, where admission checks them too);
+#: anything else is rejected with the option's name.
+OPTIONS = {name: set(options) for name, options in BUILTIN_OPTIONS.items()}
 
 
 def build_builtin(cfg: ModelConfig, input_shape: Shape, num_classes: int) -> nn.Module:
