@@ -55,6 +55,11 @@ def _offending(part: str, forbidden: tuple[str, ...]) -> list[str]:
         ),
         ("workers", ("ray", "sqlalchemy", "alembic", "fastapi", "service", "runner")),
         ("service", ("runner", "ray.tune")),
+        # the client: an analyst installs it without the engine, Ray or the service
+        (
+            "dptune",
+            ("torch", "ray", "sqlalchemy", "alembic", "fastapi", "service", "workers", "runner"),
+        ),
     ],
 )
 def test_part_imports_only_what_it_may(part: str, forbidden: tuple[str, ...]) -> None:

@@ -25,6 +25,7 @@ COPY core core
 COPY service service
 COPY workers workers
 COPY runner runner
+COPY dptune dptune
 RUN pip install --no-deps --force-reinstall . && cd / && rm -rf /src
 
 RUN useradd --create-home --uid 1000 --user-group dptune \

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -20,8 +20,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from core.config import TrialConfig
-from workers.audit import AuditResult, run_audit
-from workers.trial import error_message
+
+if TYPE_CHECKING:
+    from workers.audit import AuditResult
 
 
 class Kind(StrEnum):
@@ -99,6 +100,9 @@ def audit(
     Prints the ε the trial is charged, the lower bound, m, k, correct guesses and their ratio.
     Exit status 1 when the lower bound exceeds the claim (the claimed privacy is refuted).
     """
+    from workers.audit import run_audit  # torch: imported only when a command needs it
+    from workers.trial import error_message
+
     try:
         cfg = TrialConfig.model_validate_json(config.read_text())
         with Progress(transient=True) as progress:

@@ -114,26 +114,27 @@ def data_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def start_service(ray_head: RayConnection, data_dir: Path):
     """The service on a real port (jobs' runners call its internal API over HTTP)."""
+    return lambda: serving(ray_head, data_dir)
 
-    @contextmanager
-    def start() -> Iterator[Service]:
-        settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
-        settings.data_path.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        orchestrator = RayOrchestrator(
-            ray_head,
-            f"http://127.0.0.1:{port}",
-            settings.data_path,
-            namespace(settings.sqlalchemy_url),
-        )
-        app = create_app(settings, orchestrator, poll_interval=1.0)
-        with (
-            BackgroundServer(app, port) as server,
-            httpx.Client(base_url=server.url, timeout=60) as client,
-        ):
-            yield Service(client, orchestrator, settings)
 
-    return start
+@contextmanager
+def serving(connection: RayConnection, data_dir: Path) -> Iterator[Service]:
+    """The service on a real port, its jobs on the cluster behind ``connection``."""
+    settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
+    settings.data_path.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    orchestrator = RayOrchestrator(
+        connection,
+        f"http://127.0.0.1:{port}",
+        settings.data_path,
+        namespace(settings.sqlalchemy_url),
+    )
+    app = create_app(settings, orchestrator, poll_interval=1.0)
+    with (
+        BackgroundServer(app, port) as server,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        yield Service(client, orchestrator, settings)
 
 
 @pytest.fixture

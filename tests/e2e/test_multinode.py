@@ -7,17 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from service.api import create_app
-from service.api.server import BackgroundServer, free_port
-from service.cluster import RayOrchestrator
-from service.cluster.ray_jobs import namespace
-from service.settings import Settings
-
 from .cluster import LocalCluster, local_cluster
-from .conftest import OPERATOR, Service, small_job
+from .conftest import Service, serving, small_job
 from .test_jobs import composed_trials
 
 
@@ -34,20 +27,8 @@ def cluster() -> Iterator[LocalCluster]:
 @pytest.fixture
 def service_on(cluster: LocalCluster, tmp_path: Path) -> Iterator[Service]:
     """The service on a real port, its jobs on ``cluster``."""
-    settings = Settings(data_dir=tmp_path / "data", operator_key=OPERATOR["Authorization"][7:])
-    settings.data_path.mkdir(parents=True)
-    port = free_port()
-    orchestrator = RayOrchestrator(
-        cluster.connection,
-        f"http://127.0.0.1:{port}",
-        settings.data_path,
-        namespace(settings.sqlalchemy_url),
-    )
-    with (
-        BackgroundServer(create_app(settings, orchestrator, poll_interval=1.0), port) as server,
-        httpx.Client(base_url=server.url, timeout=60) as client,
-    ):
-        yield Service(client, orchestrator, settings)
+    with serving(cluster.connection, tmp_path / "data") as service:
+        yield service
 
 
 def test_trials_spread_over_nodes_and_a_dead_node_is_charged(
