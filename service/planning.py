@@ -35,8 +35,6 @@ from service.db import Dataset
 MAX_STEPS = 1_000_000  # DP-SGD steps of one trial
 #: an lt job's default δ: this share of the dataset's δ not yet held by (ε, δ) charges
 LT_DELTA_SHARE = 0.1
-#: an lt job's default δ₂: this share of the job's δ (the rest pays for the trials' δ₁)
-LT_DELTA2_SHARE = 0.5
 #: a ps job's default cap on K: the smallest whose δ cost is at most this share of the job's δ
 CAP_DELTA_SHARE = 0.01
 #: a job with several shapes costs ε ∈ [target·(1 − SHAPES_TOLERANCE), target]
@@ -387,10 +385,10 @@ def _tuning_method(
         gamma = privacy.gamma if privacy.gamma is not None else 1 / privacy.expected_trials
         delta2 = privacy.delta2
         if delta2 is None:
-            delta2 = LT_DELTA2_SHARE * delta
+            delta2 = accounting.LT_DELTA2_SHARE * delta
             defaults["privacy.delta2"] = (
-                f"{delta2:.3g}, {LT_DELTA2_SHARE:g} of the job's δ: δ₂ pays for the cap on "
-                "trials ⌈ln(1/δ₂)/γ⌉ and the rest for the trials' own δ (paper 001, Thm. 1)."
+                f"{delta2:.3g}, {accounting.LT_DELTA2_SHARE:g} of the job's δ: δ₂ pays for the "
+                "cap on trials ⌈ln(1/δ₂)/γ⌉ and the rest for the trials' own δ (paper 001, Thm. 1)."
             )
         if delta2 >= delta:
             raise PlanError("privacy.delta2", f"must be below the job's δ {delta}")

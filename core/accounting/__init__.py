@@ -7,6 +7,7 @@ Pure functions, no state: the ledger (``service/``) stores charges and recompute
 from core.accounting.calibration import calibrate_noise
 from core.accounting.charges import Charge, dataset_epsilon, trial_rdp
 from core.accounting.methods import (
+    LT_DELTA2_SHARE,
     RANDOM_STOPPING,
     SINGLE,
     LiuTalwar,
@@ -36,6 +37,7 @@ from core.accounting.tuning import (
 )
 
 __all__ = [
+    "LT_DELTA2_SHARE",
     "ORDERS",
     "RANDOM_STOPPING",
     "SINGLE",

@@ -110,6 +110,11 @@ class Rdp(_Method):
 MAX_CAP = 2**31 - 1
 
 
+#: Liu–Talwar's default δ₂: this share of the job's δ (the rest pays for the trials' δ₁), the
+#: one default of planning and of ``dptune account``
+LT_DELTA2_SHARE = 0.5
+
+
 class LiuTalwar(_Method):
     """Liu & Talwar, "Private Selection from Private Candidates" (STOC 2019), as paper 001's
     Theorem 1 states it: after each trial stop with probability γ, at most

@@ -31,13 +31,13 @@ def _method(
     delta: float,
 ) -> accounting.TuningMethod:
     """The CLI's options as a tuning method (``single``: one trial). Liu–Talwar's δ₂ defaults
-    to δ/10 here, as the printed example in the README."""
+    to planning's share of δ (``LT_DELTA2_SHARE``)."""
     params: dict[str, Any] = {
         "single": {"trials": 1},
         "rdp": {"trials": trials},
         "lt": {
             "gamma": gamma if gamma is not None else 1 / trials,
-            "delta2": delta2 if delta2 is not None else delta / 10,
+            "delta2": delta2 if delta2 is not None else accounting.LT_DELTA2_SHARE * delta,
         },
         "ps": {"mean": float(trials), "eta": eta},
     }[name]
@@ -147,7 +147,7 @@ def account(
         int, typer.Option(help="rdp: number of trials K; lt: 1/γ unless --gamma; ps: E[K].")
     ] = 10,
     gamma: Annotated[float | None, typer.Option(help="lt: stop probability γ.")] = None,
-    delta2: Annotated[float | None, typer.Option(help="lt: δ₂ (default δ/10).")] = None,
+    delta2: Annotated[float | None, typer.Option(help="lt: δ₂ (default δ/2, as planning).")] = None,
     eta: Annotated[
         float | None,
         typer.Option(help="ps: shape η of the truncated negative binomial (1 = geometric)."),
