@@ -260,16 +260,21 @@ def test_noise_drawn_ahead_is_fresh_gaussian_noise_of_std_sigma_c_over_b(make_st
 
 def test_a_step_waits_for_its_noise_drawn_late(make_step):
     """A child that has not finished (here: stopped for 0.3 s) holds the step until it has:
-    the step's noise is whole, not what the buffer held before."""
+    the step's noise is whole, not what the buffer held before. The child is stopped before
+    a step ends, so the draw that step asks for is surely pending (one asked for earlier may
+    be made already, or not: then that step waits instead)."""
     step = ahead_step(make_step)
     (first,) = gradients(step, 1)
     os.kill(step.ahead.pid, signal.SIGSTOP)
     threading.Timer(0.3, os.kill, (step.ahead.pid, signal.SIGCONT)).start()
     started_at = time.monotonic()
+    (second,) = gradients(step, 1)
     (late,) = gradients(step, 1)
     assert time.monotonic() - started_at >= 0.3
-    assert not torch.isclose(late, first * 0.8 * 0.9 / 16).any()  # not waiting gives these
-    assert stats.kstest((late / (1.3 * 0.8 * 0.9 / 16)).double().numpy(), "norm").pvalue > 1e-4
+    # not waiting gives the step before's g̃ scaled by this step's C_t/B (C_t = 0.8·0.9^t)
+    for t, before, after in ((1, first, second), (2, second, late)):
+        assert not torch.isclose(after, before * 0.8 * 0.9**t / 16).any()
+    assert stats.kstest((late / (1.3 * 0.8 * 0.9**2 / 16)).double().numpy(), "norm").pvalue > 1e-4
 
 
 def test_a_dead_noise_child_fails_the_step_that_needs_its_noise(make_step):
