@@ -118,9 +118,12 @@ def start_service(ray_head: RayConnection, data_dir: Path):
 
 
 @contextmanager
-def serving(connection: RayConnection, data_dir: Path) -> Iterator[Service]:
-    """The service on a real port, its jobs on the cluster behind ``connection``."""
-    settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:])
+def serving(
+    connection: RayConnection, data_dir: Path, poll_interval: float = 1.0, **overrides: Any
+) -> Iterator[Service]:
+    """The service on a real port, its jobs on the cluster behind ``connection``; ``overrides``
+    are further settings."""
+    settings = Settings(data_dir=data_dir, operator_key=OPERATOR["Authorization"][7:], **overrides)
     settings.data_path.mkdir(parents=True, exist_ok=True)
     port = free_port()
     orchestrator = RayOrchestrator(
@@ -129,7 +132,7 @@ def serving(connection: RayConnection, data_dir: Path) -> Iterator[Service]:
         settings.data_path,
         namespace(settings.sqlalchemy_url),
     )
-    app = create_app(settings, orchestrator, poll_interval=1.0)
+    app = create_app(settings, orchestrator, poll_interval=poll_interval)
     with (
         BackgroundServer(app, port) as server,
         httpx.Client(base_url=server.url, timeout=60) as client,

@@ -17,23 +17,20 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from service.api import create_app
-from service.api.server import BackgroundServer, free_port
-from service.cluster import RayConnection, RayOrchestrator
+from service.api.server import free_port
+from service.cluster import RayConnection
 from service.cluster.head import probe
-from service.cluster.ray_jobs import namespace
-from service.settings import Settings
 
 from .cluster import _ray_cli, process_tree, token_root
-from .conftest import OPERATOR, Service, long_job, small_job
+from .conftest import Service, long_job, small_job
+from .conftest import serving as serve_on
 from .test_jobs import charged, composed_trials
 
 HOST = "127.0.0.1"
@@ -122,29 +119,10 @@ def head() -> Iterator[Head]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@contextmanager
-def serving(head: Head, data_dir: Path, **settings: Any) -> Iterator[Service]:
+def serving(head: Head, data_dir: Path, **settings: Any) -> AbstractContextManager[Service]:
     """The service with ``DPTUNE_RAY_ADDRESS`` at ``head``, polling every 0.5 s."""
-    config = Settings(
-        data_dir=data_dir,
-        operator_key=OPERATOR["Authorization"][7:],
-        ray_address=head.connection.dashboard_url,
-        **settings,
-    )
-    config.data_path.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    orchestrator = RayOrchestrator(
-        head.connection,
-        f"http://{HOST}:{port}",
-        config.data_path,
-        namespace(config.sqlalchemy_url),
-    )
-    app = create_app(config, orchestrator, poll_interval=0.5)
-    with (
-        BackgroundServer(app, port) as server,
-        httpx.Client(base_url=server.url, timeout=60) as client,
-    ):
-        yield Service(client, orchestrator, config)
+    url = head.connection.dashboard_url
+    return serve_on(head.connection, data_dir, 0.5, ray_address=url, **settings)
 
 
 def health(service: Service) -> dict[str, Any]:
