@@ -5,8 +5,11 @@
     python bench/step_overhead.py --json out.json
     python bench/step_overhead.py --style all_layer layer_wise param_wise  # a row per style
 
-Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``general`` (our torch.func
-clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_inline`` (the same step with
+Columns: ``nonprivate`` (forward, mean-loss backward, SGD step), ``nonprivate_graph`` (the
+same step captured in one CUDA graph and replayed; CUDA only), ``general`` (our torch.func
+clipper), ``fast`` (our ghost-norm / book-keeping clipper), ``fast_graph`` (the same step with
+its micro-batch padded and, on CUDA, replayed from a CUDA graph: ``workers.dp.graphed``; its
+fair baseline is ``nonprivate_graph``), ``fast_inline`` (the same step with
 its noise drawn in line, never ahead on a spare core: see ``workers.dp.engine``),
 ``fast_torchrng`` (the same step with its noise from torch's own generator instead of the
 product's AES-CTR stream: the ratio ``fast`` / ``fast_torchrng`` is what secure randomness
@@ -67,8 +70,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = [
     "nonprivate",
+    "nonprivate_graph",
     "general",
     "fast",
+    "fast_graph",
     "fast_inline",
     "fast_torchrng",
     "opacus_hooks",
@@ -160,6 +165,8 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
             optimizer.step()
 
         return step
+    if method == "nonprivate_graph":
+        return _graphed_nonprivate(model, optimizer, x, y)
     if method.startswith("opacus"):
         return _opacus_step(model, optimizer, x, y, method.removeprefix("opacus_"))
 
@@ -183,6 +190,7 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
         style,
         noise=TorchNoise() if method == "fast_torchrng" else SecureStream(),
         draw_ahead=method != "fast_inline" and spare_core(),
+        padded_rows=batch if method == "fast_graph" else None,
     )
 
     def dp_step() -> None:
@@ -196,11 +204,45 @@ def _build_step(model_name: str, batch: int, method: str, device: str, style: st
     return dp_step
 
 
-def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: bool):
+def _graphed_nonprivate(model, optimizer, x, y) -> Callable[[], None]:
+    """``nonprivate`` captured whole in one CUDA graph (forward, backward, SGD step), as the
+    PyTorch notes on CUDA graphs capture a network: the baseline of ``fast_graph``. Each step
+    copies the batch into the graph's input, as ``fast_graph`` does."""
+    import torch
+    from torch import nn
+
+    loss_fn = nn.CrossEntropyLoss()
+    static_x, static_y = x.clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(static_x), static_y).backward()
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss_fn(model(static_x), static_y).backward()
+        optimizer.step()
+
+    def step() -> None:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+
+    return step
+
+
+def private_step(
+    model, clipper, batch: int, style: str, *, noise, draw_ahead: bool, padded_rows=None
+):
     """The product's step as every DP column of these benchmarks runs it: ``clipper``, Abadi's
     function at R = 1, σ = 1, ``noise`` into one flat buffer (drawn ahead if ``draw_ahead``),
-    SGD. Drawn ahead, the noise is made in the step's noise child, which has started when
-    this returns."""
+    SGD; with ``padded_rows`` (``fast_graph``), micro-batches of that many rows replayed from a
+    CUDA graph on a GPU. Drawn ahead, the noise is made in the step's noise child, which has
+    started when this returns."""
     import torch
     from torch import nn
 
@@ -221,6 +263,7 @@ def private_step(model, clipper, batch: int, style: str, *, noise, draw_ahead: b
         optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
         noise=noise,
         draw_ahead=draw_ahead,
+        padded_rows=padded_rows,
     )
     while step.ahead is not None and not step.ahead.ready():
         time.sleep(0.01)  # until it has started (0.2 s), draws are made in line

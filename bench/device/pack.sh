@@ -10,11 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PACKAGES="absl-py aiohttp-cors alembic annotated-types cffi colorful cryptography distlib dm-tree
-dp-accounting fastapi google-api-core google-auth googleapis-common-protos grpcio jsonschema
+dp-accounting fastapi fastapi-offline google-api-core google-auth googleapis-common-protos grpcio jsonschema
 jsonschema-specifications mako mnist1d msgspec opacus opencensus opencensus-context
 opentelemetry-api opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk
 opentelemetry-semantic-conventions platformdirs proto-plus protobuf py-spy pyasn1 pyasn1-modules
-pycparser pydantic pydantic-core pydantic-settings python-discovery python-dotenv randomgen ray
+psutil pytest pluggy iniconfig pytest-timeout pycparser pydantic pydantic-core pydantic-settings python-discovery python-dotenv randomgen ray
 referencing rpds-py smart-open sqlalchemy starlette tensorboardx typing-extensions
 typing-inspection tzdata uvicorn virtualenv"
 pins=$(.venv/bin/python - $PACKAGES <<'PY'

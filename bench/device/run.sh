@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Issue 15's GPU checks on a lent GPU, in as few device calls as fit its limits (10 minutes a
-# call): what to run is named by the arguments, in order.
+# The GPU checks on a lent GPU, in one device call (10 minutes at most): what to run is named by
+# the arguments, in order; each check has its own time limit, so one that hangs leaves time for
+# the next.
+#   graphs   the CUDA tests: padded micro-batches replayed from a CUDA graph equal eager steps
+#            (tests/workers/test_graphed.py) and full-tailed noise on the device
 #   step     the step_overhead table on CUDA: resnet18 and the transformer at B = 64, 256,
-#            1024; non-private, ours and Opacus' ghost clipping (each model cut at 4 minutes;
-#            on 2026-11-26 resnet18's B = 1024 row did not finish within 170 s)
-#   sharing  the shared-GPU tuning job (bench/trial_sharing.py: 8 trials of resnet18 on
-#            digits, one by one and 4 at once; 4.5 minutes on an H100 with its start-up)
+#            1024; non-private and ours, each eager and replayed from a CUDA graph, and Opacus'
+#            ghost clipping
+#   sharing  the shared-GPU tuning job (bench/trial_sharing.py: 4 trials of resnet18 on digits,
+#            one by one and 4 at once)
 #   profile  bench/device/profile_step.py on resnet18 at B = 64 and 256 (about a minute)
-# Logs and JSON land in $OUT.
+# Logs and JSON land in $OUT; docs/gpu/ keeps the last run's.
 #
 #     bash bench/device/pack.sh        # here, once: .gpu/site.tar.xz, the packages it lacks
-#     device run, carry [".gpu"]: bash bench/device/run.sh step
-#     device run, carry [".gpu"]: bash bench/device/run.sh sharing profile
+#     device run, carry [".gpu"]: bash bench/device/run.sh graphs step sharing
 set -u
 cd "$(dirname "$0")/../.."
 [ $# -gt 0 ] || set -- step
@@ -37,23 +39,31 @@ top = radii(torch.tensor([-2**63], device="cuda"), out=torch.empty(1, device="cu
 far = sum((SecureStream().normal(10**8, device="cuda").abs() > 5).sum().item() for _ in range(4))
 print(f"largest radius {top:.4f} (8.5717); |z| > 5 in 4e8 draws: {far} (229 ± 15 expected)")
 PY
+left() { echo $(( 570 - ($(date +%s) - started) )); }
+limit() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 for what in "$@"; do
   case $what in
+    graphs)
+      timeout "$(limit 90)" python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" \
+        tests/workers/test_graphed.py tests/workers/test_device_noise.py > "$OUT/graphs.log" 2>&1
+      echo "graphs: rc $? at $(elapsed)" ;;
     step)
       for model in resnet18 transformer; do
-        timeout 240 python3 bench/step_overhead.py --models $model --batches 64 256 1024 \
-          --methods nonprivate fast opacus_ghost --seconds 1 --timeout 90 \
+        timeout "$(limit 130)" python3 bench/step_overhead.py --models $model \
+          --batches 64 256 1024 --seconds 0.5 --timeout 45 \
+          --methods nonprivate nonprivate_graph fast fast_graph opacus_ghost \
           --json "$OUT/step_$model.json" > "$OUT/step_$model.log" 2>&1
         echo "step_overhead $model: rc $? at $(elapsed)"
       done ;;
     sharing)
-      timeout 300 python3 bench/trial_sharing.py --model resnet18 --dataset digits --epochs 4 \
-        > "$OUT/sharing.log" 2>&1
+      timeout "$(limit 200)" python3 bench/trial_sharing.py --model resnet18 --dataset digits \
+        --epochs 2 --trials 4 --share 4 > "$OUT/sharing.log" 2>&1
       echo "trial_sharing: rc $? at $(elapsed)" ;;
     profile)
-      timeout 200 python3 bench/device/profile_step.py resnet18 64 256 > "$OUT/profile.log" 2>&1
+      timeout "$(limit 200)" python3 bench/device/profile_step.py resnet18 64 256 \
+        > "$OUT/profile.log" 2>&1
       echo "profile: rc $? at $(elapsed)" ;;
-    *) echo "unknown check: $what (step, sharing or profile)"; exit 2 ;;
+    *) echo "unknown check: $what (graphs, step, sharing or profile)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "== $log"; grep -v '^\s*$' "$log" | tail -22; done

@@ -33,7 +33,10 @@ the finished sum); a draw left over when training stops is never used.
 
 No host synchronisation: norms stay on the model's device, and with a fixed threshold nothing
 leaves it during a step (``tests/workers/test_host_sync.py``); a rule that looks at the norms
-takes them to the host once, after the optimizer step (:mod:`workers.dp.adaptive`).
+takes them to the host once, after the optimizer step (:mod:`workers.dp.adaptive`). Given
+``padded_rows``, every micro-batch is padded to that many rows, and on a GPU a fixed threshold's
+clipper calls replay one CUDA graph (:mod:`workers.dp.graphed`); the noise is then put in the
+buffer before the first call, since a recorded call cannot draw it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from core.config import ClippingFunction
 from workers.dp.adaptive import ThresholdRule
 from workers.dp.clipping import CoefFn, coefficient_fn
 from workers.dp.grads import LossFn
+from workers.dp.graphed import Padded
 from workers.dp.optim import AdamBC, Optimizer
 from workers.dp.randomness import SecureStream
 
@@ -121,6 +125,7 @@ class PrivateStep:
         optimizer: Optimizer,
         noise: SecureStream,
         draw_ahead: bool = False,
+        padded_rows: int | None = None,
     ) -> None:
         self.model, self.loss_fn, self.groups, self.clipper = model, loss_fn, groups, clipper
         self.clipping, self.gamma, self.rule = clipping, gamma, rule
@@ -144,6 +149,10 @@ class PrivateStep:
         self.views = self._views(self.flat)
         #: whether the child is drawing the next step's noise
         self.drawing = False
+        #: whether clipper calls replay a CUDA graph (see the module)
+        self.graphed = padded_rows is not None and device.type == "cuda" and _fixed(rule)
+        if padded_rows is not None:
+            self.clipper = Padded(clipper, padded_rows, graph=self.graphed)
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -167,6 +176,8 @@ class PrivateStep:
             self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
         )
         out = _AfterDraw(self.views, self._noise)
+        if self.graphed:
+            out.settle()
         norms: list[Tensor] = []
         for inputs, targets in batches:
             if len(inputs) == 0:
@@ -209,3 +220,9 @@ class PrivateStep:
             self.ahead.request(self.grad_noise)
             self.drawing = True
         return StepReport(threshold=threshold, batch_size=len(norms))
+
+
+def _fixed(rule: ThresholdRule) -> bool:
+    """Whether the rule keeps its threshold for the whole trial (the base rule does; its
+    subclasses adapt it)."""
+    return type(rule) is ThresholdRule
