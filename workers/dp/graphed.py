@@ -1,10 +1,11 @@
 """Micro-batches of a fixed shape, and on a GPU one CUDA graph that replays a clipper call.
 
-Why: on a GPU the DP step is bound by the host, not by arithmetic. A resnet18 step launched
-about 12,900 kernels, each a few microseconds of Python and driver work, for far less GPU time
-(issue 43). A CUDA graph records the kernels of one clipper call — the forward pass, the one
-backward pass, the norms, the clip factors and the clipped sums added into the gradient buffer —
-once, and launches all of them again with one call (``torch.cuda.CUDAGraph.replay``).
+Why: on a GPU the eager DP step is bound by the host, not by arithmetic: it launches many
+small kernels (per layer: its norm, its hostile-row mask, its clipped sum), each costing
+microseconds of Python and driver work for less GPU time (docs/performance.md). A CUDA graph
+records the kernels of one clipper call — the forward pass, the one backward pass, the norms,
+the clip factors and the clipped sums added into the gradient buffer — once, and launches all
+of them again with one call (``torch.cuda.CUDAGraph.replay``).
 
 A graph replays the same kernels on the same addresses, so :class:`Padded` gives it:
 
