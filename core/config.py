@@ -161,11 +161,18 @@ class ModelConfig(Strict):
         AfterValidator(_model_name),
         Field(
             max_length=200,
-            description=f"a built-in model ({', '.join(get_args(ModelName))}) or an allow-listed "
-            "factory 'package.module:factory'",
+            description=f"A built-in model ({', '.join(get_args(ModelName))}) or a factory "
+            "`package.module:factory` in a module the operator allow-listed "
+            "(`DPTUNE_MODEL_IMPORTS`).",
         ),
     ]
-    options: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    options: dict[str, float | int | str | bool] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the model, scalars. A built-in model reads only its "
+        "own: "
+        + "; ".join(f"{m}: {', '.join(o)}" for m, o in BUILTIN_OPTIONS.items() if o)
+        + ". A factory is called as `factory(input_shape=..., num_classes=..., **options)`.",
+    )
 
     @property
     def factory(self) -> tuple[str, str] | None:
@@ -238,26 +245,75 @@ class AdaptiveConfig(Strict):
     R₀ = 1 for DC-SGD-P and R₀ = b for DC-SGD-E.
     """
 
-    rule: AdaptiveRule
-    histogram_noise: Noise = 5.0  # σ_H of the noisy norm histogram (DC-SGD)
-    bins: int = Field(20, ge=1, le=MAX_BINS)  # b
-    initial_range: Threshold | None = None  # R₀; None picks the rule's default
-    percentile: float = Field(0.5, gt=0, lt=1)  # p of DC-SGD-P and of Andrew et al.
-    #: η_C of Andrew et al.'s geometric update
-    learning_rate: float = Field(0.2, ge=THRESHOLD_RATE[0], le=THRESHOLD_RATE[1])
-    count_noise: Noise | None = None  # σ_b of Andrew et al.'s unclipped count; None: B/20
-    decay: float = Field(0.5, gt=0, le=1)  # ρ_C of Du et al.: C_t = C₀ ρ_C^(t/T)
+    rule: AdaptiveRule = Field(
+        description="`dcsgd_p` / `dcsgd_e`: DC-SGD's percentile / expected-error rule on a noisy "
+        "histogram of gradient norms (paper 001); `andrew`: Andrew et al.'s geometric update "
+        "from a noisy count of unclipped examples; `du`: Du et al.'s decay."
+    )
+    histogram_noise: Noise = Field(
+        5.0,
+        description="σ_H, the noise multiplier of DC-SGD's norm histogram. Left out of a job "
+        "spec, the planner raises it with the job's σ (the plan's `defaults` says to what).",
+    )
+    bins: int = Field(20, ge=1, le=MAX_BINS, description="b, the histogram's bins (DC-SGD).")
+    initial_range: Threshold | None = Field(
+        None, description="R₀, DC-SGD's initial norm range; null: 1 for DC-SGD-P, b for DC-SGD-E."
+    )
+    percentile: float = Field(
+        0.5, gt=0, lt=1, description="p, the target quantile of DC-SGD-P and of Andrew et al."
+    )
+    learning_rate: float = Field(
+        0.2,
+        ge=THRESHOLD_RATE[0],
+        le=THRESHOLD_RATE[1],
+        description="η_C of Andrew et al.'s geometric update.",
+    )
+    count_noise: Noise | None = Field(
+        None,
+        description="σ_b of Andrew et al.'s noisy count of unclipped examples; null: B/20, "
+        "raised by the planner where the job's σ needs more (the plan's `defaults` says so).",
+    )
+    decay: float = Field(
+        0.5, gt=0, le=1, description="ρ_C of Du et al.'s decay: C_t = C₀·ρ_C^(t/T)."
+    )
 
 
 class MethodConfig(Strict):
-    clipping: ClippingFunction = "abadi"
-    #: stability constant of AUTO-S (paper 003)
-    gamma: float = Field(0.01, ge=AUTO_S_GAMMA[0], le=AUTO_S_GAMMA[1])
-    style: ClippingStyle = "all_layer"
-    groups: list[list[str]] | None = None  # parameter-name prefixes, style == "groups" only
-    threshold: Threshold = 1.0  # R (or C₀ for adaptive rules)
-    adaptive: AdaptiveConfig | None = None
-    per_sample: PerSamplePath = "fast"
+    clipping: ClippingFunction = Field(
+        "abadi",
+        description="The per-example clipping function: `abadi` min(1, R/‖g‖) (Abadi et al. "
+        "2016), `auto_s` R/(‖g‖ + γ) or `auto_v` R/‖g‖ (automatic clipping, paper 003).",
+    )
+    gamma: float = Field(
+        0.01,
+        ge=AUTO_S_GAMMA[0],
+        le=AUTO_S_GAMMA[1],
+        description="γ, the stability constant of AUTO-S (paper 003).",
+    )
+    style: ClippingStyle = Field(
+        "all_layer",
+        description="What is clipped as one group: the whole gradient, each layer's, each "
+        "parameter's, or the `groups` given; M groups are each clipped at R/√M (paper 002, "
+        "eq. 4).",
+    )
+    groups: list[list[str]] | None = Field(
+        None,
+        description="`style: groups` only (required there): the groups, each a list of "
+        "parameter-name prefixes.",
+    )
+    threshold: Threshold = Field(
+        1.0, description="The clipping threshold R; an adaptive rule's initial C₀."
+    )
+    adaptive: AdaptiveConfig | None = Field(
+        None,
+        description="A rule that adapts the clipping threshold during training (paper 001 and "
+        "its baselines); null: the threshold stays fixed.",
+    )
+    per_sample: PerSamplePath = Field(
+        "fast",
+        description="How per-example gradients are computed: `fast` (ghost clipping where a "
+        "layer allows it) or `general` (torch.func); speed only, no privacy effect.",
+    )
 
     @model_validator(mode="after")
     def _groups_match_style(self) -> Self:
@@ -269,25 +325,60 @@ class MethodConfig(Strict):
 
 
 class OptimizerConfig(Strict):
-    name: OptimizerName = "sgd"
-    lr: float = Field(0.1, ge=LEARNING_RATE[0], le=LEARNING_RATE[1])
-    momentum: Coefficient = 0.0
-    weight_decay: float = Field(0.0, ge=WEIGHT_DECAY[0], le=WEIGHT_DECAY[1])
+    name: OptimizerName = Field(
+        "sgd",
+        description="`sgd`, `adam`, `adamw` (torch's, stepping on the private gradient) or "
+        "`adambc` (DP-AdamBC, paper 004).",
+    )
+    lr: float = Field(
+        0.1,
+        ge=LEARNING_RATE[0],
+        le=LEARNING_RATE[1],
+        description="The learning rate. Left out of a job spec, the planner picks one for the "
+        "optimizer and clipping (the plan's `defaults` says which and why).",
+    )
+    momentum: Coefficient = Field(0.0, description="Momentum (`sgd`).")
+    weight_decay: float = Field(
+        0.0, ge=WEIGHT_DECAY[0], le=WEIGHT_DECAY[1], description="Weight decay."
+    )
     #: a JSON list is read as the tuple; its items are strict
-    betas: Annotated[tuple[Coefficient, Coefficient], Field(strict=False)] = (0.9, 0.999)
-    eps: float = Field(1e-8, ge=ADAM_EPS[0], le=ADAM_EPS[1])
-    #: γ′ floor of DP-AdamBC (paper 004, Algorithm 2)
-    gamma_prime: float = Field(1e-8, ge=GAMMA_PRIME[0], le=GAMMA_PRIME[1])
+    betas: Annotated[tuple[Coefficient, Coefficient], Field(strict=False)] = Field(
+        (0.9, 0.999), description="(β₁, β₂) of the Adam family."
+    )
+    eps: float = Field(
+        1e-8,
+        ge=ADAM_EPS[0],
+        le=ADAM_EPS[1],
+        description="ε added to the Adam family's denominator.",
+    )
+    gamma_prime: float = Field(
+        1e-8,
+        ge=GAMMA_PRIME[0],
+        le=GAMMA_PRIME[1],
+        description="γ′, DP-AdamBC's floor on the bias-corrected second moment (paper 004, "
+        "Algorithm 2).",
+    )
 
 
 class ValidationConfig(Strict):
     """Where the selection score comes from (docs/design.md, invariant 5): a public split, or the
     private one released through a Gaussian mechanism with noise multiplier ``noise``."""
 
-    split: Literal["public", "private"] = "public"
-    noise: Noise | None = None
-    #: share of the private data held out if "private"
-    fraction: float = Field(0.1, ge=FRACTION[0], le=FRACTION[1])
+    split: Literal["public", "private"] = Field(
+        "public",
+        description="`public`: the dataset's public validation split; `private`: examples of "
+        "the private data held out, the score released through the Gaussian mechanism and "
+        "charged with the trial.",
+    )
+    noise: Noise | None = Field(
+        None, description="`private` only (required there): the released score's noise multiplier."
+    )
+    fraction: float = Field(
+        0.1,
+        ge=FRACTION[0],
+        le=FRACTION[1],
+        description="`private`: the probability with which each example is held out.",
+    )
 
     @model_validator(mode="after")
     def _private_needs_noise(self) -> Self:

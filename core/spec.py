@@ -151,13 +151,19 @@ class Strict(BaseModel):
 class Grid(Strict):
     """Every value is tried (grid search: the grids' product is the set of candidates)."""
 
-    grid: list[Scalar] = Field(min_length=1, max_length=MAX_VALUES)
+    grid: list[Scalar] = Field(
+        min_length=1, max_length=MAX_VALUES, description="The values, each tried."
+    )
 
 
 class Choice(Strict):
     """Each trial draws one value uniformly at random."""
 
-    values: list[Scalar] = Field(min_length=1, max_length=MAX_VALUES)
+    values: list[Scalar] = Field(
+        min_length=1,
+        max_length=MAX_VALUES,
+        description="The values, one drawn uniformly at random per trial.",
+    )
 
 
 class LogUniform(Strict):
@@ -169,7 +175,7 @@ class LogUniform(Strict):
             Annotated[float, StrictType(), Field(gt=0)],
             Annotated[float, StrictType(), Field(gt=0)],
         ],
-        Field(strict=False),
+        Field(strict=False, description="[low, high]: a trial draws exp(U(ln low, ln high))."),
     ]
 
     @model_validator(mode="after")
@@ -221,21 +227,89 @@ class Privacy(Strict):
     (:func:`service.visibility.hold_until`).
     """
 
-    epsilon: float = Field(gt=0, le=100)
-    #: default: the dataset's δ (rdp, ps); for lt a tenth of the δ the dataset has not yet given
-    #: to (ε, δ) charges (service.planning)
-    delta: float | None = Field(None, ge=DELTA[0], le=DELTA[1])
-    accounting: Literal["rdp", "lt", "ps"]
-    trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
-    max_retries: int = Field(0, ge=0, le=3)
+    epsilon: float = Field(
+        gt=0,
+        le=100,
+        description="The job's target ε: the whole search, every trial and retry included, is "
+        "planned to cost at most this and at least 0.99 of it.",
+    )
+    delta: float | None = Field(
+        None,
+        ge=DELTA[0],
+        le=DELTA[1],
+        description="The job's δ, at most the dataset's. Null: the dataset's δ under `rdp` and "
+        "`ps` (their RDP curves compose with the dataset's other charges); under `lt` a tenth "
+        "of the dataset's δ not yet held by (ε, δ) charges, as `lt`'s δ is taken out of the "
+        "dataset's by basic composition, so that the defaults fit in any order of jobs. The "
+        "plan's `defaults` names each value the planner filled in, and why.",
+    )
+    accounting: Literal["rdp", "lt", "ps"] = Field(
+        description="How the search is charged. `rdp`: a fixed number K of trials composed in "
+        "RDP, K = grid size × `trials`. `lt`: Liu–Talwar random stopping, charged as an "
+        "(ε, δ) pair whose δ comes out of the dataset's δ. `ps`: Papernot–Steinke, K drawn "
+        "from a truncated negative binomial. Under `lt` and `ps` the search space may hold no "
+        "grid: candidates are drawn at random from a fixed prior."
+    )
+    trials: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TRIALS,
+        description="`rdp`: random draws per grid point (null: 1); required when a dimension "
+        "of the search space is random.",
+    )
+    max_retries: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="`rdp`: re-runs of a failed trial, reserved with the job and charged if used.",
+    )
     #: at least 1/MAX_TRIALS, as ``expected_trials`` is at most MAX_TRIALS
-    gamma: float | None = Field(None, ge=1 / MAX_TRIALS, le=1)
-    expected_trials: float | None = Field(None, ge=1, le=MAX_TRIALS)
-    delta2: float | None = Field(None, ge=DELTA[0], le=DELTA[1])
-    mean: float | None = Field(None, ge=1, le=MAX_TRIALS)
-    eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = None
-    max_trials: int | None = Field(None, ge=1, le=MAX_TRIALS)
-    hold_release: bool = False
+    gamma: float | None = Field(
+        None,
+        ge=1 / MAX_TRIALS,
+        le=1,
+        description="`lt`: γ, the probability of stopping after each trial; give it or "
+        "`expected_trials`.",
+    )
+    expected_trials: float | None = Field(
+        None,
+        ge=1,
+        le=MAX_TRIALS,
+        description="`lt`: the expected number of trials 1/γ, instead of `gamma`.",
+    )
+    delta2: float | None = Field(
+        None,
+        ge=DELTA[0],
+        le=DELTA[1],
+        description="`lt`: δ₂, which sets the cap on trials, ln(1/δ₂)/γ; null: half of the "
+        "job's δ.",
+    )
+    mean: float | None = Field(
+        None,
+        ge=1,
+        le=MAX_TRIALS,
+        description="`ps` (required): the expected number of trials, E[K].",
+    )
+    eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = Field(
+        None,
+        description="`ps` (required): η of the truncated negative binomial (1: geometric, "
+        "0: logarithmic), or `poisson`.",
+    )
+    max_trials: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TRIALS,
+        description="`ps`: a cap on K. Null: the smallest cap whose cost in δ, "
+        "(1 + e^ε)·P[K > cap], is at most δ/100, ε the larger of the dataset's and the job's "
+        f"(refused on `privacy.mean` if above {MAX_TRIALS}); a cap given whose cost is not "
+        "below the job's δ is refused.",
+    )
+    hold_release: bool = Field(
+        False,
+        description="`lt`, `ps`: analysts see the job running, without a model, until as long "
+        "after its start as the cap on trials would take at the pace of its first trial, so "
+        "that when the model appears tells little about how many trials ran.",
+    )
 
     @model_validator(mode="after")
     def _method_fields(self) -> Self:
@@ -273,8 +347,14 @@ class Selection(Strict):
     private hold-out through the Gaussian mechanism. Any other metric would be computed on
     private data without noise, so it is refused rather than silently ignored."""
 
-    metric: Literal["val_accuracy"] = "val_accuracy"
-    mode: Literal["max", "min"] = "max"
+    metric: Literal["val_accuracy"] = Field(
+        "val_accuracy",
+        description="The DP selection score each trial releases; any other metric would be "
+        "computed on private data without noise, and is refused.",
+    )
+    mode: Literal["max", "min"] = Field(
+        "max", description="Whether the highest or the lowest score is released."
+    )
 
     def best(self, scores: Mapping[K, float]) -> K | None:
         """The key of the best score (None when there is none): the one rule that picks the
@@ -286,30 +366,82 @@ class Selection(Strict):
 class Resources(Strict):
     """Per trial; passed to Ray (``tune.with_resources``)."""
 
-    cpu: float = Field(1.0, ge=0.01, le=64)
-    gpu: float = Field(0.0, ge=0, le=8)
+    cpu: float = Field(1.0, ge=0.01, le=64, description="CPUs of each trial.")
+    gpu: float = Field(
+        0.0, ge=0, le=8, description="GPUs of each trial; a fraction shares a GPU between trials."
+    )
 
 
 class JobSpec(Strict):
-    dataset: int = Field(ge=1, le=MAX_ID)
-    model: ModelConfig
-    method: MethodConfig = Field(default_factory=MethodConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    #: None: the planner's recipe (``service.planning``, explained in the plan's ``defaults``)
-    epochs: Epochs | None = None
-    batch_size: BatchSize | None = None
-    physical_batch_size: int = Field(256, ge=1, le=1_000_000)
-    search_space: dict[str, Dimension] = Field(default_factory=dict, max_length=MAX_DIMENSIONS)
-    privacy: Privacy
-    selection: Selection = Field(default_factory=Selection)
-    resources: Resources = Field(default_factory=Resources)
-    #: rdp only: fixes the random draws of the search space (every trial is released and charged
-    #: anyway). Random-stopping jobs draw their candidates from OS entropy, so it is refused.
-    seed: int | None = Field(None, ge=0, lt=2**32)
-    #: a public dataset (registered ``public``) to search on: every candidate trains there, for
-    #: free, and only the best trains on ``dataset``, once — charged as one ``rdp`` trial
-    proxy: int | None = Field(None, ge=1, le=MAX_ID)
+    dataset: int = Field(
+        ge=1,
+        le=MAX_ID,
+        description="Id of a registered dataset in the key's scope: the private data the job "
+        "trains on, whose budget pays for it.",
+    )
+    model: ModelConfig = Field(description="The model each trial trains.")
+    method: MethodConfig = Field(
+        default_factory=MethodConfig, description="How per-example gradients are clipped."
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig,
+        description="The optimizer that steps on the private (clipped, noised) gradient.",
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig,
+        description="Where each trial's DP selection score comes from.",
+    )
+    epochs: Epochs | None = Field(
+        None,
+        description="Epochs of each trial: with B, T = round(epochs·N/B) steps (at least 1). "
+        "Null: the planner picks them (the plan's `defaults` says why).",
+    )
+    batch_size: BatchSize | None = Field(
+        None,
+        description="The expected batch size B: each step samples each example with "
+        "probability q = B/N. Null: the planner picks it (the plan's `defaults` says why).",
+    )
+    physical_batch_size: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="The most examples in one micro-batch: memory and speed only, no privacy "
+        "effect.",
+    )
+    search_space: dict[str, Dimension] = Field(
+        default_factory=dict,
+        max_length=MAX_DIMENSIONS,
+        description='Per searched field, `{"grid": [...]}` (every value), `{"values": [...]}` '
+        '(one drawn at random per trial) or `{"log_uniform": [low, high]}`; at most '
+        f"{MAX_VALUES} values each and {MAX_TRIALS} trials in all. Searchable: "
+        f"{', '.join(f'`{path}`' for path in [*SEARCHABLE, *SHAPES])}. `batch_size` and "
+        "`epochs` take a `grid` under `rdp` and `values` under `lt`/`ps`, at most "
+        f"{MAX_SHAPES} combinations, each with its own σ.",
+    )
+    privacy: Privacy = Field(description="The job's privacy target and how its trials are charged.")
+    selection: Selection = Field(
+        default_factory=Selection, description="How the released trial is chosen."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="What each trial asks Ray for."
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**32,
+        description="`rdp` only: fixes the random draws of candidates from the search space "
+        "(every trial's outcome is released anyway). Refused under `lt`/`ps`, whose trials "
+        "draw their candidates from OS entropy. No seed reaches a trial: its privacy "
+        "randomness is fresh OS entropy.",
+    )
+    proxy: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ID,
+        description="`rdp` only: id of a public dataset (registered `public`, same input shape "
+        "and classes) to search on: every candidate trains there, for free, and only the best "
+        "trains on `dataset`, once, charged as one trial.",
+    )
 
     @model_validator(mode="before")
     @classmethod
