@@ -1,7 +1,7 @@
 """Paper 004's heavy-tailed class-imbalance problem: DP-GD, DP-GDM, DP-Adam and DP-AdamBC.
 
     python bench/heavy_tail.py --quick                     # scaled down, a few minutes on CPU
-    python bench/heavy_tail.py --scale 0.25 --steps 600    # the CPU run in the README
+    python bench/heavy_tail.py --scale 0.25 --steps 600    # a CPU run at a quarter of the size
     python bench/heavy_tail.py --scale 1 --steps 2000 --device cuda   # the paper's size
 
 The problem (paper 004, Sec. 3; :func:`workers.data.heavy_tail`): 8 frequency groups, group i

@@ -4,19 +4,17 @@ Runs real jobs through the product's path — a Ray head started with ``ray star
 auth on, 2 CPUs), ``dptune serve`` against it, a dataset registered and a job POSTed over
 HTTP — and reads back what each trial reported to Ray Tune (its ``timings``, from the Tune
 results under the data dir; ``runner.trainable``). Three jobs of 10 trials each, one trial at
-a time (each reserves both CPUs): short trials (logistic regression on digits, 1 epoch: a few
-hundredths of a second of training each), medium ones (an MLP on digits, 16 epochs: about 1.5 s
-each, the trials of the README's walk-through job) and long ones (the MLP, 12 epochs: 20–30 s
-on the loaded reference machine; ``--long-epochs 160`` to 430 makes them the 30-second trials
-of issue 15; ``--quick``: 3 epochs). ``--compare`` runs every job twice: with trial processes
-reused (the default) and with ``DPTUNE_REUSE_TRIAL_PROCESSES=0`` (a fresh Ray worker process
-per trial, as before); ``--jobs`` picks among ``short,medium,long``.
+a time (each reserves both CPUs): short trials (logistic regression on digits, 1 epoch),
+medium ones (an MLP on digits, 16 epochs: trials of about a second) and long
+ones (the MLP, ``--long-epochs`` of them: enough epochs for the 30-second trials of the job
+wall goal, docs/performance.md; ``--quick``: 3 epochs). ``--compare`` runs every job twice:
+with trial processes reused (the default) and with ``DPTUNE_REUSE_TRIAL_PROCESSES=0`` (a fresh
+Ray worker process per trial); ``--jobs`` picks among ``short,medium,long``.
 
 Before the measured jobs, a one-trial job of another shape runs unmeasured (``--cold``: not),
 so that they meet a service and a cluster that have run a job before, as in steady use: the
-first job on a fresh Ray head pays 0.7 s more for its submission (the Jobs API's first), and
-one on a fresh service plans its shape afresh (0.7 s) — the measured jobs still do, as a new
-shape would.
+first job on a fresh Ray head pays more for its submission (the Jobs API's first), and one on
+a fresh service plans its shape afresh — the measured jobs still do, as a new shape would.
 
 Columns: ``wall`` from the POST to the job's end (released); ``train`` the sum of the trials'
 training loops (``run_trial``: steps, epoch metrics and their progress calls); ``ratio``
@@ -60,9 +58,9 @@ from service.api.server import free_port  # noqa: E402
 
 OPERATOR_KEY = "dpt_bench-operator-key-0123456789"
 HEADERS = {"Authorization": f"Bearer {OPERATOR_KEY}"}
-#: epochs of the long trials' MLP on digits: 20–30 s of training on the loaded reference machine
+#: epochs of the long trials' MLP on digits (``--long-epochs``)
 LONG_EPOCHS = 12
-#: epochs of the medium trials' MLP: about 1.5 s of training, as the README's walk-through job
+#: epochs of the medium trials' MLP
 MEDIUM_EPOCHS = 16
 
 

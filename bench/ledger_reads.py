@@ -14,18 +14,17 @@ started — until the dataset has ``--rows`` rows, and a few jobs left open (adm
 charged one trial through the real admission and attempt calls). Then ``--other-rows`` rows
 of a second dataset, written the same way: the measured dataset's rows are then all older
 than another's, as when its budget is read while a busier dataset's ledger grows. (With an
-index on ``dataset_id`` alone, PostgreSQL walked the newer rows or sorted the dataset's:
+index on ``dataset_id`` alone, PostgreSQL would walk the newer rows or sort the dataset's:
 ``tests/service/test_ledger_index.py``.)
 
-Then, over HTTP, one request at a time: ``--requests`` budget reads, and ``--requests``
-admissions (each admitted job is cancelled afterwards, untimed, so the open jobs stay few).
-In this process, the same database: the budget from the running sums
-(:func:`service.ledger.budget`, what both requests now read) against the budget composed from
-every row (:func:`service.ledger.budget_from_rows`, what every read and admission composed
-before), and the old ``GET /budget``'s whole work (all rows composed, and all rows loaded to
-be listed). The run fails unless the two budgets are equal to the bit. (Converting a total to
-ε is memoized, so the running-sums row is mostly what a repeated read of an unchanged ledger
-costs.)
+Then, over HTTP, one request at a time: ``--requests`` budget reads, and ``--requests`` admissions
+(each admitted job is cancelled afterwards, untimed, so the open jobs stay few). In this process,
+the same database: the budget from the running sums (:func:`service.ledger.budget`, what both
+requests read) against the budget composed from every row (:func:`service.ledger.budget_from_rows`,
+the composition the running sums stand for), and a ``GET /budget`` without the running sums (all
+rows composed, and all rows loaded to be listed: ``OLD_GET``). The run fails unless the two budgets
+are equal to the bit. (Converting a total to ε is memoized, so the running-sums row is mostly what a
+repeated read of an unchanged ledger costs.)
 """
 
 from __future__ import annotations

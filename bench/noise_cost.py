@@ -15,11 +15,10 @@ rows see the same machine):
 - ``randomgen_aes``, ``chacha20``, ``chacha8``, ``speck128``: as many bytes from randomgen's
   AES-128-CTR (``AESCounter``, the generator behind ``core.entropy.secure_generator``), ChaCha
   with SIMD and SPECK-128, as the alternatives to OpenSSL's keystream;
-- ``torch_box_muller``: the product's draw with its transform in torch's kernels, as the
-  product made it until its stop 33 (2026-11-26): the same bytes, the same formula, torch's
-  logarithm, sine and cosine;
-- ``randomgen_box_muller``: the draw as the product made it before 2026-11-26, Box–Muller in
-  torch on two 53-bit uniforms a pair from ``randomgen``'s AES-CTR (16 bytes a pair);
+- ``torch_box_muller``: the product's draw with its transform in torch's kernels: the same
+  bytes, the same formula, torch's logarithm, sine and cosine (prices numpy's SIMD transform);
+- ``randomgen_box_muller``: Box–Muller in torch on two 53-bit uniforms a pair from
+  ``randomgen``'s AES-CTR (16 bytes a pair; prices the 12-byte pairs of the keystream);
 - ``torch_randn``: torch's own ``normal_`` (mt19937, not secure: see ``workers.dp.randomness``),
   as the floor the secure noise is compared with.
 
@@ -77,7 +76,7 @@ def _raw(bit_generator: np.random.BitGenerator, nbytes: int) -> Callable[[], obj
 
 
 def _randomgen_box_muller(n: int) -> Callable[[], object]:
-    """The product's draw before 2026-11-26: per chunk, the radii's 53-bit uniforms u₁ from
+    """Box–Muller on randomgen's uniforms: per chunk, the radii's 53-bit uniforms u₁ from
     ``randomgen``'s AES-CTR, then the angles' u₂; r = √(−2 ln(1 − u₁)), θ = 2πu₂ in float32."""
     generator, out = np.random.Generator(AESCounter()), torch.empty(n)
 
@@ -95,7 +94,7 @@ def _randomgen_box_muller(n: int) -> Callable[[], object]:
 
 
 def _torch_box_muller(n: int) -> Callable[[], object]:
-    """The product's draw with its transform in torch's kernels (until its stop 33): per
+    """The product's draw with its transform in torch's kernels: per
     chunk, the radii's 64-bit words, then the angles' 32-bit ones, from OpenSSL's keystream."""
     keystream, out = Keystream(), torch.empty(n)
 

@@ -1,12 +1,11 @@
 """Operations a training step dispatches, DP against non-private: a count of kernel launches
 that needs no GPU.
 
-On a GPU the product's DP step is bound by launching kernels, not by arithmetic (the README,
-"On a GPU": resnet18 at B = 256 on an H100 took 228 ms of host time a step against 74 ms of
-GPU time). Each tensor operation torch dispatches is at least one launch there, so counting
-them on CPU tells whether a change adds or removes launches without a GPU. Views (``view``,
-``slice``, ``permute``, ...) launch nothing and are not counted; neither is what one operation
-does inside (torch's CPU and CUDA kernels of one operation may loop differently).
+On a GPU the eager DP step is bound by launching kernels, not by arithmetic (docs/performance.md,
+"The step replayed from a CUDA graph"). Each tensor operation torch dispatches is at least one
+launch there, so counting them on CPU tells whether a change adds or removes launches without a GPU.
+Views (``view``, ``slice``, ``permute``, ...) launch nothing and are not counted; neither is what
+one operation does inside (torch's CPU and CUDA kernels of one operation may loop differently).
 
 The DP column is ``fast_torchrng``: the product's step with its noise from torch's generator,
 one operation as on CUDA (where the secure stream keys Philox on the device; on CPU its

@@ -39,15 +39,14 @@ holds; the first Gaussian draw of a process maps the vectorised log, cos and sin
 runs). glibc is told to
 ``mmap`` every block over 64 KiB during those six steps, so freed tensors leave the resident
 set at once. ``first_peak_mb`` in the JSON is the peak over the first four steps, code pages
-included (about this table's measure until 2026-11-25, which also counted the model's
-construction). The timed steps then run with glibc's usual heap reuse: after a warm-up of
+included. The timed steps then run with glibc's usual heap reuse: after a warm-up of
 ``--seconds``/2, step time is the median of at least ``--steps`` steps, more until
 ``--seconds`` have passed (the median shrugs off the stalls of a shared machine).
 
 Time ratios in the table come from one more process per model, batch and style in which every
 column that ran is built and the columns take turns (``interleaved``): on a shared machine,
-columns measured minutes apart in their own processes moved by up to 30 % from run to run,
-while turns of a few steps each meet the same machine. ``--separate`` skips that run; the table
+columns measured minutes apart in their own processes move with the machine's load from run to
+run, while turns of a few steps each meet the same machine. ``--separate`` skips that run; the table
 then divides the columns' own medians, which the JSON keeps either way (``time_s``; the
 interleaved ratio is ``time_ratio``).
 """
@@ -266,7 +265,7 @@ def private_step(
         padded_rows=padded_rows,
     )
     while step.ahead is not None and not step.ahead.ready():
-        time.sleep(0.01)  # until it has started (0.2 s), draws are made in line
+        time.sleep(0.01)  # until it has started, draws are made in line
     if step.ahead is not None:
         _noise_idle_kb[step.ahead.pid] = _proc_kb("RssAnon", step.ahead.pid)
     return step

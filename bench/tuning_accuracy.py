@@ -248,7 +248,7 @@ class Setup:
 #: Adam, invariant to the gradient's scale, trained them all (a one-trial check at ε = 1)
 ADAM = {"name": "adam", "lr": 0.01}
 DATASETS: dict[str, Setup] = {
-    # Adam as paper 001's Table IV; a trial of 5–10 s on the reference machine (2 cores, shared)
+    # Adam as paper 001's Table IV
     "digits": Setup(digits_split, {"name": "cnn"}, ADAM, 15, 128),
     "mnist1d": Setup(mnist1d_split, {"name": "cnn"}, ADAM, 15, 128),
     # paper 004's linear model, full-batch DP-GD at its lr

@@ -115,8 +115,8 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     # Tune's default reporter ignores ``progress_reporter`` and picks its columns itself (the
     # first four metrics reported); this switch selects the reporter that shows those asked for
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    # Tune adds a TensorBoard logger unless told not to, and tensorboardX imports torch: 1.2-1.4 s
-    # of every job's start, before its first trial process is asked for. Nothing reads its
+    # Tune adds a TensorBoard logger unless told not to, and tensorboardX imports torch, a slow
+    # import in every job's start before its first trial process is asked for. Nothing reads its
     # event files; the JSON and CSV results (each trial's ``result.json``) are kept.
     os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
     loggers = [JsonLoggerCallback(), CSVLoggerCallback()]

@@ -137,8 +137,8 @@ def _epsilon(total: np.ndarray, delta: float) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _total_epsilon(total: tuple[float, ...], delta: float) -> float:
-    """Memoized: dp-accounting's conversion costs ~0.6 ms, as much as the rest of a budget
-    read, and the totals a read converts (spent, committed) only change with the ledger."""
+    """Memoized: dp-accounting's conversion costs as much as the rest of a budget read, and
+    the totals a read converts (spent, committed) only change with the ledger."""
     vec = np.array(total)
     curves = [vec[:_N]] if vec[:_N].any() else []
     return accounting.dataset_epsilon(curves, [(total[_N], total[_N + 1])], delta)

@@ -14,10 +14,9 @@ the learning rate, and the literature agrees on the first two:
   Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
   Stronger", NeurIPS 2023, paper 003) every per-example gradient is normalized, so the
   threshold drops out and the learning rate is the only knob; with Abadi clipping the update
-  is at most the threshold C in norm, so the learning rate is scaled by 1/C. The values did
-  best in a sweep of single runs (cnn on digits at ε = 2 with the batch and epochs above:
-  Adam 10⁻³/3·10⁻³/10⁻²/3·10⁻² gave 8/41/80–86/69 % validation accuracy; SGD at C = 1,
-  0.25/0.5/1/2/8 gave 67/77/74/62/12 %; AUTO-S 0.5/2/8 gave 81/68/8 %).
+  is at most the threshold C in norm, so the learning rate is scaled by 1/C. The values are
+  the best of a sweep of single runs (cnn on digits at ε = 2 with the batch and epochs above)
+  over Adam's 10⁻³ … 3·10⁻², SGD's 0.25 … 8 at C = 1 and AUTO-S's 0.5 … 8.
 
 Each default is explained in the plan (``Plan.defaults``).
 """

@@ -89,8 +89,8 @@ def digits(options: Options) -> Dataset:
 
     Read as ``sklearn.datasets.load_digits`` reads it — the CSV file scikit-learn ships, 64
     pixel values then the label on each row — but without importing scikit-learn, whose
-    ``datasets`` module took 0.8 s of each trial process's first data read
-    (``tests/workers/test_data.py`` checks the arrays against ``load_digits``)."""
+    ``datasets`` module is slow to import and would delay each trial process's first data
+    read (``tests/workers/test_data.py`` checks the arrays against ``load_digits``)."""
     _options(options, {})
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     assert spec is not None and spec.origin is not None, "scikit-learn is a dependency"

@@ -24,8 +24,8 @@ from core.entropy import Keystream, buffer
 
 #: Gaussian pairs drawn per chunk (768 KiB of keystream for float32 noise)
 CHUNK = 1 << 16
-#: Gaussian pairs the child makes at once (:func:`make`): 128 KiB held for float32 noise, not
-#: a chunk's 512 KiB, for 1.1–1.2× the time (``docs/speed-history.md``)
+#: Gaussian pairs the child makes at once (:func:`make`): its buffers hold a quarter of a
+#: chunk's words and angles, so the child takes less memory beside the step, for a few more calls
 PIECE = 1 << 14
 #: the child's replies (:func:`serve`): started, a draw made, a draw failed
 READY, MADE, FAILED = b"r", b"!", b"x"

@@ -2,7 +2,7 @@
 # Packs what a bare GPU machine's Python 3.12 image (PyTorch, NumPy, SciPy, aiohttp, ... but no
 # Ray, pydantic or FastAPI) lacks to run dptune: this venv's versions of the packages below, as
 # cp312 manylinux wheels unpacked into one tree, Ray's Java jars, RLlib and LLM code left out,
-# xz-compressed into .gpu/site.tar.xz (about 57 MB; a device call carries at most 64 MiB).
+# xz-compressed into .gpu/site.tar.xz (a device call carries at most 64 MiB, so it must stay under).
 #
 #     bash bench/device/pack.sh        # needs pip and the package index; writes .gpu/
 #

@@ -141,9 +141,9 @@ def create_app(
 
     While it serves, the objects that exist once it has started (its modules, routes, schemas:
     ~200,000) are kept out of Python's cyclic garbage collection (:func:`gc.freeze`; the
-    unfreeze at shutdown gives them back). Each full collection scanned them all: 130 ms,
-    every ~150 budget reads, which was the slowest response of a run
-    (bench/ledger_reads.py)."""
+    unfreeze at shutdown gives them back). Otherwise each full collection scans them all, a
+    pause that the request waiting on it pays: the slowest response under a steady load of
+    budget reads (bench/ledger_reads.py)."""
     settings = settings or Settings()
     orchestrator = orchestrator or NullOrchestrator()
     seen = Reachability()

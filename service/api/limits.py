@@ -134,8 +134,8 @@ class InFlight:
     """Pure ASGI middleware: at most ``limit`` requests inside the application at once; the
     others wait here, on the event loop, holding nothing. Each request holds at most one
     database connection, so with ``limit`` no larger than the pool no request waits for one.
-    Without it, requests past the pool's size deadlocked with it until its timeout (HTTP 500):
-    threads waited for connections held by requests that waited for a thread (FastAPI checks a
+    Without it, requests past the pool's size would deadlock with it until its timeout (HTTP
+    500): threads wait for connections held by requests that wait for a thread (FastAPI checks a
     sync endpoint's response in one). ``/healthz`` is not held back: a probe must answer under
     load."""
 

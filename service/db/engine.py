@@ -35,8 +35,8 @@ IMMEDIATE = "dptune_sqlite_immediate"
 POOL_SIZE = 40
 """Connections per process, and requests the API serves at once (``service.api.limits.InFlight``):
 each request holds at most one, so none waits for a connection. Under load, SQLAlchemy's default
-pool (5 + 10) ran dry — requests queued on the budget lock held the connections — and requests
-failed after its 30 s timeout (HTTP 500), some after their job was admitted
+pool (5 + 10) runs dry — requests queued on the budget lock hold the connections — and requests
+fail after its pool timeout (HTTP 500), some after their job was admitted
 (bench/service_load.py). 40 is also anyio's default number of worker threads."""
 POOL = {"pool_size": POOL_SIZE, "max_overflow": 10}  # overflow: the poller, health checks
 
@@ -76,9 +76,9 @@ _decoder = msgspec.json.Decoder()
 
 
 def json_loads(text: str | bytes) -> Any:
-    """How JSON columns are read. A ledger row's curve is ~150 floats, and the stdlib parser
-    spent ~90 µs on each: decoding the 100 rows a budget read shows and the running sums was
-    most of the read. msgspec parses them 6–8× faster, and exactly: each number becomes the
+    """How JSON columns are read. A ledger row's curve is ~150 floats, and with the stdlib
+    parser decoding the 100 rows a budget read shows and the running sums is most of the read.
+    msgspec parses them several times faster, and exactly: each number becomes the
     float nearest to it, an integer of any size the same integer, as with :func:`json.loads`
     (tests/service/test_read_path.py). What is not strict JSON, such as the ``NaN`` and
     ``Infinity`` that :func:`json.dumps` writes, msgspec refuses; :func:`json.loads` reads it."""
@@ -139,8 +139,8 @@ def _journal_wal(dbapi_connection: sqlite3.Connection) -> None:
     """``PRAGMA journal_mode=WAL``, retried while the database is locked. Switching a database
     that is not in WAL mode yet (a new one) takes its write lock, and while another connection
     holds that lock SQLite answers "database is locked" at once, without waiting its busy
-    timeout: two services starting together on a new database (a CI run saw one of them fail
-    so; ``tests/service/test_schema.py`` holds the lock and checks the wait)."""
+    timeout, so of two services starting together on a new database one would fail
+    (``tests/service/test_schema.py`` holds the lock and checks the wait)."""
     deadline = time.monotonic() + SQLITE_TIMEOUT_S
     while True:
         try:

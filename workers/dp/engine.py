@@ -19,17 +19,17 @@ subnormal; scaled last, whatever rounding does is post-processing of the noisy s
 gradient buffer gets σ_T·z, drawn into it, then each clipped sum as soon as it is formed (no
 temporary of the model's size), then the scale.
 
-On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``) on a core that torch's
-threads leave free: a model-sized draw from the AES-CTR stream costs as much as a whole
-non-private step of a small model (issue 15). A :class:`~workers.dp.randomness.NoiseChild`
-draws it, in a process of its own and from a keystream of its own, into the gradient buffer
-itself, which the two processes share (no second model-sized buffer): from the end of step t
-(once the optimizer has read g̃_t) until step t + 1 first adds a clipped sum, which waits for
-it (:class:`_AfterDraw`). Until the child has started, and for a stream whose draws a subclass
-changes, the noise is drawn in line. Nothing the guarantee rests on changes: z_{t+1} is the
-child's next draw, made from its key and σ_T alone (before, and independent of, the data),
-used by step t + 1 alone, of std σ_T as in line whatever C_{t+1} is (the threshold scales only
-the finished sum); a draw left over when training stops is never used.
+On CPU the noise of step t + 1 may be drawn ahead (``draw_ahead``) on a core that torch's threads
+leave free: a model-sized draw from the AES-CTR stream costs as much as a whole non-private step of
+a small model (docs/performance.md, "What the numbers say"). A
+:class:`~workers.dp.randomness.NoiseChild` draws it, in a process of its own and from a keystream of
+its own, into the gradient buffer itself, which the two processes share (no second model-sized
+buffer): from the end of step t (once the optimizer has read g̃_t) until step t + 1 first adds a
+clipped sum, which waits for it (:class:`_AfterDraw`). Until the child has started, and for a stream
+whose draws a subclass changes, the noise is drawn in line. Nothing the guarantee rests on changes:
+z_{t+1} is the child's next draw, made from its key and σ_T alone (before, and independent of, the
+data), used by step t + 1 alone, of std σ_T as in line whatever C_{t+1} is (the threshold scales
+only the finished sum); a draw left over when training stops is never used.
 
 No host synchronisation: norms stay on the model's device, and with a fixed threshold nothing
 leaves it during a step (``tests/workers/test_host_sync.py``); a rule that looks at the norms

@@ -4,8 +4,8 @@ SGD, Adam and AdamW are torch's own update rules, called through their functiona
 (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``: the same kernels as the ``torch.optim``
 classes, and the same choice of the multi-tensor ones on CUDA) on state kept here. The classes
 themselves are not used because their constructor, ``step`` and ``zero_grad`` import
-``torch._dynamo`` on first use (to keep compilation out of them): 1.1–1.9 s in every trial
-process before its first step, though no trial compiles anything (issue 15, goal 3). The
+``torch._dynamo`` on first use (to keep compilation out of them): a slow import in every trial
+process before its first step, though no trial compiles anything. The
 functional forms import it only when called under compilation. (The general per-sample path,
 ``torch.func``, still imports it; the default fast path does not.)
 ``tests/workers/test_optim.py`` checks each against its ``torch.optim`` class, step by step, to

@@ -8,22 +8,21 @@ float additions).
 On CPU the split matters beyond memory. torch's tensors come from glibc's ``malloc``, which
 maps each block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed; a
 step's tensors are freed and made again every step, so each tensor over the threshold has all
-its pages faulted in and zeroed by the kernel every step. The transformer at B = 256 (attention
-scores of 64 MiB) took 215,000–238,000 page faults a step, and its step took 0.58–0.60× the
-time in micro-batches of 64, where nothing faults (``bench/physical_batch.py``), while for mlp,
-cnn and logreg, which fault nothing, smaller micro-batches are only slower (up to 1.7–1.9×).
-Keeping freed blocks in the heap instead (``mallopt``) was as fast, but under Poisson batch
-sizes the heap grew by half again over 70 steps and kept growing (docs/speed-history.md).
+its pages faulted in and zeroed by the kernel every step. A step with such tensors (the
+transformer's attention scores at B = 256 are 64 MiB) spends much of its time in page faults,
+and in smaller micro-batches its tensors stay on the heap and nothing faults; a step that
+faults nothing is only slower in smaller micro-batches (more per-call work). Keeping freed
+blocks in the heap instead (``mallopt``) lets the heap keep growing under Poisson batch
+sizes. Measurements: docs/performance.md, "Micro-batches on CPU" (``bench/physical_batch.py``).
 
 :class:`PhysicalBatches` therefore starts at the configured size and, while steps fault more
 than ``FAULTS_PER_STEP`` pages, tries half the size, down to ``SMALLEST`` (a tensor can fault
-until it is under the threshold, so one halving that does not pay says little about the next:
-the transformer above took 0.80–0.90× the time at 128 and 0.58–0.60× at 64); then it keeps the size
-whose steps took the least time per example, the configured one unless another beat it by
-``GAIN``. A choice depends on the machine and on the realized batch sizes, which are
-operator-only, so the size chosen is reported with the trial's timings alone (docs/design.md,
-invariant 4); the released model depends on it only through the rounding of sums, and a step's
-duration depended on the realized size before.
+until it is under the threshold, so one halving that does not pay says little about the
+next); then it keeps the size whose steps took the least time per example, the configured one
+unless another beat it by ``GAIN``. A choice depends on the machine and on the realized batch
+sizes, which are operator-only, so the size chosen is reported with the trial's timings alone
+(docs/design.md, invariant 4); the released model depends on it only through the rounding of
+sums, and a step's duration depends on the realized size anyway.
 """
 
 from __future__ import annotations

@@ -15,17 +15,17 @@ Why not ``torch.Generator``: its CPU generator (mt19937) keeps only the low 32 b
 seed, so one released noisy number lets an attacker search all 2³² seeds, recover the noise
 and subtract it. AES-CTR output reveals nothing about its key.
 
-Gaussian draws use the Box–Muller transform in numpy on keystream words (numpy's ziggurat on
-``randomgen``'s stream costs over twice as much: one call through the bit generator per draw).
-numpy's logarithm, sine and cosine are its own SIMD kernels (AVX-512 or AVX2 where the CPU has
-them): on the reference machine the transform in numpy takes about 0.6× the time of the same
-one in torch's kernels (``bench/noise_cost.py``), and its loops release the GIL as torch's do
-(the transform: ``workers.gaussian``). The radius √(−2 ln v) takes a 53-bit v in (0, 1], so
+Gaussian draws use the Box–Muller transform in numpy on keystream words (not numpy's ziggurat
+on ``randomgen``'s stream, which calls through the bit generator once per draw). numpy's
+logarithm, sine and cosine are its own SIMD kernels (AVX-512 or AVX2 where the CPU has them),
+faster on CPU than torch's kernels for the same functions (docs/performance.md, "What the
+secure noise costs"), and their loops release the GIL as torch's do (the transform:
+``workers.gaussian``). The radius √(−2 ln v) takes a 53-bit v in (0, 1], so
 the draws reach 8.57σ: a 32-bit uniform would cut the tails at 6.66σ, and a truncated
 Gaussian differs from the one the accountant assumes by P(|Z| > 6.66) ≈ 2.7·10⁻¹¹ per draw —
 over 10⁹ draws (a million parameters, a thousand steps) more than a typical δ; at 8.57σ it is
 about 10⁻¹⁷ per draw. The angle takes as many bits as the output's significand holds, 24 for
-float32 noise: 12 bytes of keystream a pair, where two 53-bit uniforms took 16.
+float32 noise: 12 bytes of keystream a pair, not the 16 of two 53-bit uniforms.
 
 On CUDA, copying host-generated noise for a large model every step would dominate the step, so
 Gaussian draws are made on the device (:mod:`workers.dp.normal`): the same Box–Muller transform
@@ -39,9 +39,9 @@ On CPU the engine may draw a step's noise ahead, on a core that torch's threads 
 (:func:`spare_core`): a :class:`NoiseChild` draws it in a process of its own, under a key of
 its own, into the gradient buffer the two share (``workers.dp.engine.PrivateStep``). A
 process, not a thread: a draw is a few dozen numpy and OpenSSL calls, each taking Python's GIL
-back from a step made of hundreds of small torch calls, and on the 2-core reference machine a
-draw on a thread slowed the mlp's step 1.19–1.59×, in a process 1.02–1.07×
-(``docs/speed-history.md``).
+back from a step made of hundreds of small torch calls, each hand-over a wake-up on the other
+core, so a draw on a thread slows a small model's step where one in a process of its own does
+not hold the step's GIL at all.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class NoiseChild:
     which the two share, one draw per :meth:`request`. It makes its own keystream, under a key
     freshly drawn from its own OS entropy that never leaves it (``workers.gaussian.serve``):
     this process never reads those bytes, nor the child this process's. Started with the
-    buffer, it imports numpy and ``cryptography``, not torch (about 0.2 s; :meth:`ready` says
+    buffer, it imports numpy and ``cryptography``, not torch (:meth:`ready` says
     when), and exits when the buffer's owner is gone (its stdin closes).
 
     Not a ``multiprocessing`` child: spawning one runs the parent's ``__main__`` again (a Ray

@@ -274,9 +274,9 @@ def _zeroing(drop: Tensor) -> Rows:
 
 class _Factors(Mapping[str, Tensor]):
     """A unit's clip factors by parameter name: float32, as clipped (``coef[name]``), and in a
-    per-sample tensor's dtype (``as_dtype``), converted once a call for each group and dtype.
-    ``clipped_sum`` converted them for each parameter: two operations, two kernel launches
-    on a GPU, for each of the transformer's 28 parameters with kept per-sample gradients."""
+    per-sample tensor's dtype (``as_dtype``), converted once a call for each group and dtype,
+    not in ``clipped_sum`` for each parameter: that would be two operations, two kernel
+    launches on a GPU, for every parameter with kept per-sample gradients."""
 
     def __init__(self, groups: _Groups, names: list[str]) -> None:
         self._groups, self._names = groups, names

@@ -19,7 +19,8 @@ gradients, so its calls are concatenated along the position axis T before any no
 
 Floating point. Every norm is a float32 upper bound (``workers.dp.bounds``: the error analysis).
 The clipped sum of a weight matrix is not formed from the per-sample gradient whose norm is
-taken, so the bound must also cover what the sum adds for an example (issue 17, item 8). With
+taken, so the bound must also cover what the sum adds for an example (docs/design.md,
+invariant 9: never more than its clipping bound). With
 one position (T = 1) the gradient g aᵀ is rank one: its norm is ‖a‖·‖g‖ (no cancellation) and
 each entry of its contribution is two products. With T > 1 positions, Σ_t g_t a_tᵀ can cancel;
 there the norm gets a rounding guard (``positions_norms``) that makes the argument rigorous.
@@ -454,11 +455,9 @@ class ConvRule(LayerRule):
         a linear layer over several positions). They are then smaller than the unfolded
         patches and output gradients of a sample (p·d < T(d + p)), and holding them (in
         float32, ``weight_per_sample``) beats book-keeping on time by far: the book-kept route
-        unfolds the patches, k/stride² times the input, twice (norm, sum). On
-        resnet18 (its three 128-channel 3×3 convolutions after the first) this took 27–32 % off
-        the step at B = 64 and 10–14 % at B = 256, for 9–21 % more peak memory under all-layer
-        clipping and 9 % less under layer-wise clipping at B = 64 (docs/speed-history.md, "Kept
-        per-sample gradients for every convolution where instantiating is cheaper")."""
+        unfolds the patches, k/stride² times the input, twice (norm, sum). The price is memory
+        under all-layer clipping, which holds them until every norm is known
+        (docs/performance.md, the step and styles tables)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         return not self._ghost_cheaper(module, math.prod(output_shape[2:]))
 
@@ -467,9 +466,9 @@ class ConvRule(LayerRule):
         samples as extra groups (``_grouped_per_sample``), or on CPU, for an ungrouped
         convolution, by batched matmuls over the patches (``_matmul_per_sample``) where those
         are faster for this geometry on the trial's first steps (``_Faster``). Neither wins
-        everywhere: on CPU, oneDNN's grouped convolution is about 2.1× slower than the matmuls
-        for paper 001's first layer (3 input channels, 8×8 kernel), as fast for its second,
-        and faster for resnet18's convolutions (up to 3×). Both give the same gradients up
+        everywhere: on CPU, oneDNN's grouped convolution is slower than the matmuls for few
+        input channels and a large kernel (paper 001's first layer: 3 channels, 8×8) and faster
+        for many channels (resnet18's convolutions). Both give the same gradients up
         to rounding, and a step's norms and clipped sums are both formed from the one result
         it gets."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -547,8 +546,7 @@ class ConvRule(LayerRule):
         (C_in/G + K − 1 ≤ d = K·C_in/G; Cauchy–Schwarz): the unfolded patches' bound, and
         ‖a_t‖² (the diagonal, a sum of squares) within γ_d of its value, as a norm's
         (``bounds.spread`` with the matrix products' unit). The guard of ``positions_norms``
-        holds unchanged. resnet18 at B = 64: 3–3.7× faster norms for its 256- and 512-channel
-        convolutions."""
+        holds unchanged."""
         x4, geo = self._as_2d(module, call.activation)
         (ph, pw), groups = geo["padding"], module.groups
         g4 = call.grad.unsqueeze(-2) if isinstance(module, nn.Conv1d) else call.grad
@@ -671,7 +669,7 @@ def _matmul_per_sample(
     ``g_i · P_iᵀ``: output gradients [O, T] times patches [T, k·C] per sample, the patches
     copied a few samples (``PATCH_CHUNK``) at a time out of their channels-last view
     (``_channels_last_patches``: paper 001's first layer, 3 channels and an 8×8 kernel, copies
-    runs of 24 floats where the channels-first order copied runs of 8). The result keeps
+    runs of 24 floats where the channels-first order would copy runs of 8). The result keeps
     the patches' order in memory (a permuted view, [B, O, C, k] laid out as [B, O, k, C]):
     norms and clipped sums take it in that order (``workers.dp.clipping.in_memory_order``)
     and no second copy of the gradients is made."""
