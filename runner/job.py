@@ -115,6 +115,10 @@ def run(config: dict[str, Any], ctx: JobContext, proxy: bool = False) -> None:
             hold(ctx.control_plane().hold_left)
 
 
+#: the longest pause between two asks of a hold whose control plane did not answer (s)
+HOLD_RETRY_MAX_S = 30.0
+
+
 def hold(seconds_left: Callable[[], float], sleep: Callable[[float], None] = time.sleep) -> None:
     """The last trial of a job that holds its release waits, in its process and so with the
     CPUs and GPUs Tune gave it, until the control plane's hold ends
@@ -122,13 +126,27 @@ def hold(seconds_left: Callable[[], float], sleep: Callable[[float], None] = tim
     (:func:`runner.driver.tune_config`), so from its first trial to the hold's end it keeps one
     trial's resources whatever K, and no other job's start or attempt times tell K
     (docs/design.md, invariant 11). ``seconds_left`` asks the control plane, whose clock
-    alone times the hold. When it stops answering the wait ends: the job cannot end without
-    it either."""
-    try:
-        while (left := seconds_left()) > 0:
-            sleep(left)
-    except (ControlPlaneError, httpx.HTTPError) as error:
-        log.warning("stopped holding the job's resources: %s", error)
+    alone times the hold. A call that fails (no connection, a timeout, an error status) does
+    not end the wait, since freeing the resources early would move other jobs' attempts with
+    K: it asks again, backing off up to :data:`HOLD_RETRY_MAX_S`, until the control plane
+    answers. Only the end of the job's Ray job (a cancel, an operator) ends the wait sooner."""
+    while (left := _answer(seconds_left, sleep)) > 0:
+        sleep(left)
+
+
+def _answer(seconds_left: Callable[[], float], sleep: Callable[[float], None]) -> float:
+    """The control plane's first answer to ``seconds_left``, asked again after each call that
+    fails, backing off exponentially up to :data:`HOLD_RETRY_MAX_S`."""
+    delay = 1.0
+    while True:
+        try:
+            return seconds_left()
+        except (ControlPlaneError, httpx.HTTPError) as error:
+            log.warning(
+                "hold: the control plane did not answer (%s); again in %.0f s", error, delay
+            )
+            sleep(delay)
+            delay = min(2 * delay, HOLD_RETRY_MAX_S)
 
 
 class AttemptRecorder(tune.Callback):

@@ -53,15 +53,53 @@ def test_the_last_trial_waits_until_the_hold_ends(hold_s, ended_s):
     assert clock.asked <= 3
 
 
-def test_a_silent_control_plane_ends_the_wait():
-    def silent() -> float:
-        raise httpx.ConnectError("no answer")
+#: what a call to the control plane may raise instead of answering: no connection (the service
+#: restarting), a timeout (a loaded machine), an error status (its database locked or failing
+#: over, a proxy in front of it)
+FAULTS = (
+    lambda: httpx.ConnectError("no answer"),
+    lambda: httpx.ReadTimeout("too slow"),
+    lambda: ControlPlaneError("GET", "/hold", httpx.Response(500, text="database is locked")),
+    lambda: ControlPlaneError("GET", "/hold", httpx.Response(503, text="restarting")),
+    lambda: ControlPlaneError("GET", "/hold", httpx.Response(404, text="job 7 not found")),
+)
 
-    def refusing() -> float:
-        raise ControlPlaneError("GET", "/hold", httpx.Response(500, text="no"))
 
-    for seconds_left in (silent, refusing):
-        job.hold(seconds_left, lambda s: pytest.fail("slept"))
+class FlakyClock(Clock):
+    """A control plane whose ``i``-th call raises ``FAULTS[faults[i]]`` (None: it answers)."""
+
+    def __init__(self, hold_s: float, faults: list[int | None]) -> None:
+        super().__init__(hold_s)
+        self.faults = faults
+        self.answered: float | None = None  # the last answer, None after a fault
+
+    def seconds_left(self) -> float:
+        fault = self.faults[self.asked] if self.asked < len(self.faults) else None
+        self.answered = None
+        if fault is not None:
+            self.asked += 1
+            raise FAULTS[fault]()
+        self.answered = super().seconds_left()
+        return self.answered
+
+
+@given(
+    st.floats(0, 1e6),
+    st.floats(0, 1e6),
+    st.lists(st.one_of(st.none(), st.integers(0, len(FAULTS) - 1)), max_size=12),
+)
+def test_a_control_plane_that_does_not_answer_does_not_end_the_hold(hold_s, ended_s, faults):
+    """An error instead of an answer does not end the wait: the last trial's process would
+    free its CPUs and GPUs before the hold's end, and another job's attempt times would tell
+    K. It asks again, backing off, until the control plane says the hold is over, and so
+    ends no more than the backoff's cap per failed call after the hold time."""
+    clock = FlakyClock(hold_s, faults)
+    clock.now = ended_s
+    job.hold(clock.seconds_left, clock.sleep)
+    assert clock.answered == 0.0
+    assert clock.now >= hold_s
+    failed = sum(f is not None for f in faults)
+    assert clock.now <= max(hold_s, ended_s) + failed * job.HOLD_RETRY_MAX_S + 1e-6
 
 
 def context(hold: bool, trials: int = 3) -> JobContext:
