@@ -17,15 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from core import accounting
-from core.config import DELTA, ModelReport
+from core.config import DELTA
 from core.noise import gradient_noise
+from core.plan import Plan, ProxySearch, TrialCount
 from core.sampling import num_steps
 from core.shapes import Shape, combine, trial_curve
 from core.spec import MAX_TRIALS, JobSpec, Privacy
@@ -49,43 +49,6 @@ class PlanError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-class TrialCount(BaseModel):
-    distribution: Literal["fixed", "geometric_stopping", "truncated_negative_binomial", "poisson"]
-    mean: float
-    max: int  # the most trials the job may run (a cap under random stopping)
-    eta: float | None = None
-
-
-class ProxySearch(BaseModel):
-    """A search on public data: ``trials`` candidates train on dataset ``dataset`` (free)."""
-
-    dataset: int
-    trials: int
-
-
-class Plan(BaseModel):
-    """What the analyst sees before anything is reserved."""
-
-    accounting: Literal["rdp", "lt", "ps"]
-    #: the next four describe every trial when the job has one shape; None when it searches
-    #: batch size or epochs (then ``shapes`` lists each one's)
-    sample_rate: float | None  # q = B / N
-    steps: int | None  # T per trial
-    noise_multiplier: float | None  # σ of each DP-SGD step
-    gradient_noise_multiplier: float | None  # σ_T left for the gradient after a DC-SGD/Andrew split
-    shapes: list[Shape]  # each (batch_size, epochs) a trial may run with: its q, T and σ
-    validation_noise: float | None  # σ of the private selection score, if any
-    trials: TrialCount
-    attempts_reserved: int | None  # rdp: K·(1 + max_retries) trial runs reserved
-    trial_epsilon: float  # one trial's ε at the job's δ (the largest of the shapes')
-    epsilon: float  # the job's ε ...
-    delta: float  # ... at this δ
-    method: accounting.TuningMethod  # how the trials are charged: kind and parameters
-    defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
-    model: ModelReport | None = None  # an imported model's inspection (service.own_models)
-    proxy: ProxySearch | None = None  # the search on a public proxy, if any
 
 
 @dataclass(frozen=True)
@@ -119,7 +82,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         raise PlanError(
             "validation.split", "the dataset has no public validation split; use 'private'"
         )
-    method, method_defaults = _tuning_method(spec, dataset, delta)
+    method, method_defaults = _tuning_method(spec, dataset, delta, session)
     noise = validation.noise if validation.split == "private" else None
     try:
         sized = _sized_shapes(spec, dataset.n, delta, method, noise)
@@ -133,6 +96,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     _check_defaults(spec, defaults)
     shapes = [_shape(spec, size, delta, noise) for size in sized]
     trial = trial_curve(shapes, noise, _any_one(spec, method))
+    mechanisms = [s.mechanism(noise) for s in shapes]
     one = shapes[0] if len(shapes) == 1 else None
     plan = Plan(
         accounting=privacy.accounting,
@@ -145,13 +109,18 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         trials=_trial_count(spec, method),
         attempts_reserved=method.trials if isinstance(method, accounting.Rdp) else None,
         trial_epsilon=max(s.trial_epsilon for s in shapes),
-        epsilon=method.epsilon(trial, delta),
+        epsilon=method.epsilon(trial, delta, mechanisms),
         delta=delta,
         method=method,
+        bound=(
+            method.bound(trial, delta, mechanisms)
+            if isinstance(method, accounting.PapernotSteinke)
+            else None
+        ),
         defaults=defaults | delta_default | method_defaults,
         proxy=ProxySearch(dataset=spec.proxy, trials=spec.candidate_count()) if proxy else None,
     )
-    reservation = method.charge(trial, delta, dataset.epsilon)
+    reservation = method.charge(trial, delta, dataset.epsilon, mechanisms)
     return PlannedJob(plan=plan, reservation=reservation, spec=spec)
 
 
@@ -271,7 +240,13 @@ def _shape_noise(
         curves = [
             _trial(q, sigma, steps, noise) for (q, steps), sigma in zip(sizes, sigmas, strict=True)
         ]
-        return method.epsilon(combine(curves, any_one), delta), sigmas
+        mechanisms = [
+            accounting.TrialMechanism(
+                sample_rate=q, noise_multiplier=sigma, steps=steps, validation_noise=noise
+            )
+            for (q, steps), sigma in zip(sizes, sigmas, strict=True)
+        ]
+        return method.epsilon(combine(curves, any_one), delta, mechanisms), sigmas
 
     best: tuple[float, ...] | None = None
     seen: list[tuple[float, float]] = []
@@ -372,7 +347,7 @@ def _job_delta(
 
 
 def _tuning_method(
-    spec: JobSpec, dataset: Dataset, delta: float
+    spec: JobSpec, dataset: Dataset, delta: float, session: Session
 ) -> tuple[accounting.TuningMethod, dict[str, str]]:
     """The spec's ``privacy`` as a tuning method (:mod:`core.accounting.methods`), with its
     defaults filled in, and why each default was chosen. The one place the spec's kinds become
@@ -421,7 +396,33 @@ def _tuning_method(
             f"P[K > {cap}] = {tail:.3g} costs (1 + e^{epsilon:g})·{tail:.3g} = {cost:.3g} of δ, "
             f"which leaves nothing of the job's δ {delta:g}",
         )
-    return accounting.PapernotSteinke(mean=privacy.mean, eta=eta, max_trials=cap), defaults
+    profile_delta = None if eta is None else _profile_delta(privacy, dataset, session, delta)
+    if profile_delta is not None and privacy.delta is None:  # explained with the δ
+        defaults["privacy.delta"] = (
+            f"{delta:g}, the dataset's δ, for the Papernot–Steinke RDP bound (a curve that "
+            f"composes with the dataset's other charges); the privacy-profile bound is stated "
+            f"at {profile_delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by "
+            "(ε, δ) charges: it is charged by basic composition, so its δ is taken out of the "
+            "dataset's, and the rest is left for later jobs. The smaller bound charges the job."
+        )
+    method = accounting.PapernotSteinke(
+        mean=privacy.mean, eta=eta, max_trials=cap, profile_delta=profile_delta
+    )
+    return method, defaults
+
+
+def _profile_delta(
+    privacy: Privacy, dataset: Dataset, session: Session, delta: float
+) -> float | None:
+    """δ of a ps job's privacy-profile bound (:mod:`core.accounting.profile`), an (ε, δ)
+    statement charged by basic composition: the job's δ when the analyst gave one below the
+    dataset's, as for Liu–Talwar; else the share of the dataset's δ that Liu–Talwar's default
+    takes, so that the bound, if it wins, leaves δ for later jobs (a ps job's δ is the dataset's
+    by default). None (the RDP bound alone) when (ε, δ) charges hold all of the dataset's δ."""
+    if privacy.delta is not None and delta < dataset.delta:
+        return delta
+    free = dataset.delta - ledger.budget(session, dataset).delta_held
+    return LT_DELTA_SHARE * free if free > 0 else None
 
 
 def _trial_count(spec: JobSpec, method: accounting.TuningMethod) -> TrialCount:
@@ -484,7 +485,8 @@ def _calibrate(
     method: accounting.TuningMethod,
     validation_noise: float | None,
 ) -> float:
-    """Calibration takes 5–12 RDP curves (0.2–0.7 s); identical jobs reuse the answer
-    (methods are frozen values, so they key the cache)."""
-    extra = None if validation_noise is None else accounting.gaussian_rdp(validation_noise)
-    return accounting.calibrate_noise(q, steps, epsilon, delta, method, extra_rdp=extra)
+    """Calibration takes 5–12 RDP curves (0.2–0.7 s), and as many PLDs for a ps job's profile
+    bound; identical jobs reuse the answer (methods are frozen values, so they key the cache)."""
+    return accounting.calibrate_noise(
+        q, steps, epsilon, delta, method, validation_noise=validation_noise
+    )

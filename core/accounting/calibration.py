@@ -10,7 +10,8 @@ import numpy as np
 
 from core.accounting import checks
 from core.accounting.charges import trial_rdp
-from core.accounting.methods import SINGLE, TuningMethod, tuning_method
+from core.accounting.methods import SINGLE, TrialMechanism, TuningMethod, tuning_method
+from core.accounting.rdp import compose, gaussian_rdp
 
 #: calibrated ε lies in [target·(1 − RELATIVE_TOLERANCE), target]
 RELATIVE_TOLERANCE = 1e-3
@@ -84,18 +85,34 @@ def calibrate_noise(
     method: str | Mapping[str, Any] | TuningMethod = SINGLE,
     *,
     extra_rdp: np.ndarray | None = None,
+    validation_noise: float | None = None,
     **params: Any,
 ) -> float:
     """Noise multiplier σ that makes one run (the default) or a whole tuning job (a method, or
     its kind and parameters as in :func:`~core.accounting.methods.tuning_epsilon`) cost
-    ε ∈ [target·(1 − 10⁻³), target] at δ."""
+    ε ∈ [target·(1 − 10⁻³), target] at δ. A trial is DP-SGD composed with the private
+    validation score's Gaussian (``validation_noise``) and with ``extra_rdp``; the job's ε is
+    its method's (the smaller bound, for a ``ps`` job with a ``profile_delta``), which needs
+    the trial's mechanisms, so the profile bound applies where there is no ``extra_rdp``."""
     target = checks.positive("target_epsilon", target_epsilon)
     checks.sample_rate(sample_rate)
     checks.count("steps", steps)
     checks.probability("delta", delta)
     charged = tuning_method(method, **params)
+    extra = [] if validation_noise is None else [gaussian_rdp(validation_noise)]
+    extra += [] if extra_rdp is None else [extra_rdp]
+    composed = compose(*extra) if extra else None
 
     def cost(sigma: float) -> float:
-        return charged.epsilon(trial_rdp(sample_rate, sigma, steps, extra_rdp), delta)
+        curve = trial_rdp(sample_rate, sigma, steps, composed)
+        if extra_rdp is not None:
+            return charged.epsilon(curve, delta)
+        trial = TrialMechanism(
+            sample_rate=sample_rate,
+            noise_multiplier=sigma,
+            steps=steps,
+            validation_noise=validation_noise,
+        )
+        return charged.epsilon(curve, delta, (trial,))
 
     return _solve(cost, target)

@@ -10,9 +10,12 @@ several modules:
   the trial costs DP-SGD with σ. Its RDP curve is computed here and nowhere else.
 - :data:`TuningMethod`: how K trials are charged — :class:`Rdp` (K fixed, RDP composition),
   :class:`LiuTalwar` (random stopping, an (ε, δ) bound) or :class:`PapernotSteinke` (random K,
-  RDP bounds). Each answers the same questions: what the job costs at δ (``epsilon``), what
-  the ledger charges (``charge``), the most trials it may run (``max_trials``), whether K is
-  random (``random_stopping``) and, if so, how K is drawn (``draw_trials``).
+  RDP bounds, or a privacy-profile bound where that is smaller). Each answers the same
+  questions: what the job costs at δ (``epsilon``), what the ledger charges (``charge``), the
+  most trials it may run (``max_trials``), whether K is random (``random_stopping``) and, if
+  so, how K is drawn (``draw_trials``). ``epsilon`` and ``charge`` take the trial's RDP curve
+  and, optionally, the mechanisms it bounds (a trial may run any one of them), which the
+  privacy-profile bound needs.
 
 The method's ``kind`` is the spec's ``privacy.accounting``; :func:`tuning_method` is the one
 place that turns a kind and its parameters into a value.
@@ -21,13 +24,13 @@ place that turns a kind and its parameters into a value.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from core.accounting import checks
+from core.accounting import checks, profile
 from core.accounting.charges import Charge, trial_rdp
 from core.accounting.library import dp_event
 from core.accounting.rdp import epsilon_from_rdp, gaussian_rdp
@@ -79,6 +82,14 @@ class TrialMechanism(BaseModel):
         """The trial's own ε at δ, and the optimal RDP order."""
         return epsilon_from_rdp(self.rdp(), delta)
 
+    def profile_trial(self) -> profile.Trial:
+        """The trial as :mod:`core.accounting.profile` computes its PLD."""
+        return (self.sample_rate, self.noise_multiplier, self.steps, self.validation_noise)
+
+
+#: the mechanisms a trial may run, one of them (:mod:`core.shapes`); none: only its curve is known
+Mechanisms = Sequence[TrialMechanism]
+
 
 class _Method(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -98,10 +109,12 @@ class Rdp(_Method):
     def max_trials(self) -> int:
         return self.trials
 
-    def charge(self, trial: np.ndarray, delta: float, statement_epsilon: float) -> Charge:
+    def charge(
+        self, trial: np.ndarray, delta: float, statement_epsilon: float, mechanisms: Mechanisms = ()
+    ) -> Charge:
         return Charge(rdp=self.trials * trial)
 
-    def epsilon(self, trial: np.ndarray, delta: float) -> float:
+    def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
         return epsilon_from_rdp(self.trials * trial, delta)[0]
 
 
@@ -143,11 +156,13 @@ class LiuTalwar(_Method):
     def bound(self, trial: np.ndarray, delta: float) -> LiuTalwarBound:
         return liu_talwar(trial, delta, self.gamma, self.delta2)
 
-    def charge(self, trial: np.ndarray, delta: float, statement_epsilon: float) -> Charge:
+    def charge(
+        self, trial: np.ndarray, delta: float, statement_epsilon: float, mechanisms: Mechanisms = ()
+    ) -> Charge:
         bound = self.bound(trial, delta)
         return Charge(eps_delta=(bound.epsilon, bound.delta))
 
-    def epsilon(self, trial: np.ndarray, delta: float) -> float:
+    def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
         return self.bound(trial, delta).epsilon
 
     def draw_trials(self, rng: np.random.Generator) -> int:
@@ -155,34 +170,90 @@ class LiuTalwar(_Method):
         return min(int(rng.geometric(self.gamma)), self.max_trials)
 
 
+#: the largest RDP ε at which a ps job's privacy-profile bound is computed: the spec's largest ε
+PROFILE_MAX_EPSILON = 100.0
+
+
 class PapernotSteinke(_Method):
     """Papernot & Steinke, "Hyperparameter Tuning with Renyi Differential Privacy" (ICLR
     2022): K ~ truncated negative binomial D_{η,γ} with the given mean (η = 1 geometric, η = 0
     logarithmic; Definition 1) or Poisson(mean) (``eta`` None, K = 0 possible), only the best
     output released. ``max_trials`` caps K; the cap costs (1 + e^ε)·P[K > cap] of δ
-    (:func:`~core.accounting.tuning.cap_delta`). None: uncapped (for comparisons only)."""
+    (:func:`~core.accounting.tuning.cap_delta`). None: uncapped (for comparisons only).
+
+    With ``profile_delta`` (truncated negative binomial K only), the job is also bounded by the
+    privacy profile of its trials (:mod:`core.accounting.profile`), an (ε, δ) statement at
+    that δ (at most the job's); whichever of the two bounds gives the smaller ε at the job's δ
+    states and charges the job (:meth:`bound`). None: the RDP bound alone."""
 
     kind: Literal["ps"] = "ps"
     mean: float = Field(ge=1)
     eta: float | None = Field(None, ge=0)
     max_trials: int | None = Field(None, ge=1)
+    profile_delta: float | None = Field(None, gt=0, lt=1)
     random_stopping: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _profile_needs_tnb(self) -> Self:
+        """The profile bound does not cover Poisson K (:mod:`core.accounting.profile`)."""
+        if self.profile_delta is not None and self.eta is None:
+            raise ValueError("profile_delta: the profile bound needs an eta (not Poisson K)")
+        return self
 
     def tail(self) -> float:
         """P[K > cap]: the total variation the cap moves the output by."""
         return 0.0 if self.max_trials is None else trials_tail(self.mean, self.eta, self.max_trials)
 
-    def charge(self, trial: np.ndarray, delta: float, statement_epsilon: float) -> Charge:
-        """The curve of Theorems 2/6, and the cap as (0, (1 + e^ε_D)·t): the ledger states the
-        whole dataset at its composed ε_D, at most the dataset's budget ε, which the caller
-        passes as ``statement_epsilon`` (see ``service.planning``)."""
+    def rdp_epsilon(self, trial: np.ndarray, delta: float) -> float:
+        """ε at δ by the curve of Theorems 2/6 (:func:`~core.accounting.tuning.ps_epsilon`)."""
+        return ps_epsilon(trial, delta, self.mean, self.eta, self.max_trials)
+
+    def profile_epsilon(self, delta: float, mechanisms: Mechanisms) -> float:
+        """ε at min(δ, ``profile_delta``) by the privacy-profile bound, cap included; ``inf``
+        where it does not apply (no ``profile_delta``, or no mechanisms given)."""
+        if self.profile_delta is None or self.eta is None or not mechanisms:
+            return math.inf
+        trials = tuple(dict.fromkeys(m.profile_trial() for m in mechanisms))
+        d = min(self.profile_delta, delta)
+        return profile.profile_epsilon(trials, d, self.mean, self.eta, self.tail())
+
+    def _bounds(
+        self, trial: np.ndarray, delta: float, mechanisms: Mechanisms
+    ) -> tuple[float, float]:
+        """ε at δ by the RDP bound and by the profile bound. The profile is not computed where
+        the RDP bound exceeds :data:`PROFILE_MAX_EPSILON`: no job is planned there, and a
+        trial's PLD grows with its privacy loss (at σ = 0.01 it takes minutes and gigabytes),
+        which calibration's first brackets would otherwise pay for."""
+        rdp = self.rdp_epsilon(trial, delta)
+        if rdp > PROFILE_MAX_EPSILON:
+            return rdp, math.inf
+        return rdp, self.profile_epsilon(delta, mechanisms)
+
+    def bound(
+        self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()
+    ) -> Literal["rdp", "profile"]:
+        """Which bound states and charges the job: the smaller ε at δ (RDP on a tie)."""
+        rdp, by_profile = self._bounds(trial, delta, mechanisms)
+        return "profile" if by_profile < rdp else "rdp"
+
+    def charge(
+        self, trial: np.ndarray, delta: float, statement_epsilon: float, mechanisms: Mechanisms = ()
+    ) -> Charge:
+        """By the RDP bound: the curve of Theorems 2/6, and the cap as (0, (1 + e^ε_D)·t): the
+        ledger states the whole dataset at its composed ε_D, at most the dataset's budget ε,
+        which the caller passes as ``statement_epsilon`` (see ``service.planning``). By the
+        profile bound: its (ε, δ) statement, cap included, composed basically like
+        Liu–Talwar's."""
+        if self.bound(trial, delta, mechanisms) == "profile":
+            d = min(delta, self.profile_delta or delta)
+            return Charge(eps_delta=(self.profile_epsilon(delta, mechanisms), d))
         curve = tuning_rdp(trial, self.mean, self.eta)
         if self.max_trials is None:
             return Charge(rdp=curve)
         return Charge(rdp=curve, eps_delta=(0.0, cap_delta(self.tail(), statement_epsilon)))
 
-    def epsilon(self, trial: np.ndarray, delta: float) -> float:
-        return ps_epsilon(trial, delta, self.mean, self.eta, self.max_trials)
+    def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
+        return min(self._bounds(trial, delta, mechanisms))
 
     def draw_trials(self, rng: np.random.Generator) -> int:
         """K from Definition 1 (η = 1 geometric, η = 0 logarithmic, else a negative binomial
@@ -245,8 +316,12 @@ def tuning_epsilon(
 ) -> float:
     """ε at overall δ of a tuning job whose trials each run ``steps`` DP-SGD steps (q, σ),
     composed with ``extra_rdp``, charged by ``method`` (a value, or a kind and its parameters:
-    ``"rdp", trials=K``; ``"lt", gamma=…, delta2=…``; ``"ps", mean=…, eta=…, max_trials=…``)."""
+    ``"rdp", trials=K``; ``"lt", gamma=…, delta2=…``; ``"ps", mean=…, eta=…, max_trials=…,
+    profile_delta=…``); the profile bound applies where there is no ``extra_rdp``."""
     checks.probability("delta", delta)
-    return tuning_method(method, **params).epsilon(
-        trial_rdp(sample_rate, noise_multiplier, steps, extra_rdp), delta
-    )
+    charged = tuning_method(method, **params)
+    curve = trial_rdp(sample_rate, noise_multiplier, steps, extra_rdp)
+    if extra_rdp is not None:
+        return charged.epsilon(curve, delta)
+    trial = TrialMechanism(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps)
+    return charged.epsilon(curve, delta, (trial,))

@@ -11,6 +11,7 @@ Three ways to charge K trials that each run the same mechanism Q (one trial's RD
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,21 +135,25 @@ _FIXED_POINT_SLACK = 1e-9
 _FIXED_POINT_ITERATIONS = 200
 
 
-def _capped_epsilon(curve: np.ndarray, delta: float, tail: float) -> float:
-    """Least ε (to a relative 10⁻⁹, from above) with ε ≥ f(ε) := ε_rdp(δ − (1 + e^ε)·t), or
-    ``inf`` when there is none: at such an ε the uncapped job is (ε, δ − (1 + e^ε)·t)-DP, hence
-    the capped one (ε, δ)-DP (:func:`cap_delta`).
+def capped_epsilon(epsilon_at: Callable[[float], float], delta: float, tail: float) -> float:
+    """Least ε (to a relative 10⁻⁹, from above) with ε ≥ f(ε) := ε_at(δ − (1 + e^ε)·t), or
+    ``inf`` when there is none, for ``epsilon_at`` the uncapped job's ε at a δ: at such an ε
+    the uncapped job is (ε, δ − (1 + e^ε)·t)-DP, hence the capped one (ε, δ)-DP
+    (:func:`cap_delta`).
 
     f increases in ε, so the iteration ε ← f(ε)·(1 + slack) from 0 increases monotonically; it
     stops at the first ε with f(ε) ≤ ε, which lies within the slack of the least fixed point. It
-    contracts fast (f' ≈ e^ε·t / ((α − 1)·(δ − (1 + e^ε)t)) ≪ 1 for the caps the planner picks).
+    contracts fast (for RDP f' ≈ e^ε·t / ((α − 1)·(δ − (1 + e^ε)t)) ≪ 1 for the caps the
+    planner picks).
     """
+    if cap_delta(tail, 0.0) >= delta:
+        return math.inf  # not even ε = 0 leaves δ for the uncapped job
     eps_max = math.log(delta / tail - 1) if tail > 0 else math.inf  # (1 + e^ε_max)·t = δ
     eps = 0.0
     for _ in range(_FIXED_POINT_ITERATIONS):
         if eps >= eps_max:
             return math.inf  # no δ is left for the uncapped job
-        needed = epsilon_from_rdp(curve, delta - cap_delta(tail, eps))[0]
+        needed = epsilon_at(delta - cap_delta(tail, eps))
         if needed <= eps:
             return eps
         eps = needed * (1 + _FIXED_POINT_SLACK)
@@ -180,4 +185,4 @@ def ps_epsilon(
             f"max_trials is too small: P[K > max_trials] = {tail:.3g} leaves no δ: the cap costs "
             f"(1 + e^ε)·{tail:.3g} ≥ {cap_delta(tail, 0.0):.3g}, not below δ = {d:g}"
         )
-    return _capped_epsilon(curve, d, tail)
+    return capped_epsilon(lambda left: epsilon_from_rdp(curve, left)[0], d, tail)

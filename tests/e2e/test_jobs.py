@@ -264,7 +264,9 @@ def test_random_stopping_charges_the_whole_bound_and_shows_analysts_one_trial(
     budget = service.get(f"/v1/datasets/{digits}/budget")
     assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
     curve = rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
-    if accounting == "ps":  # the bound, whatever K; the cap's TV t = 0.5^cap (geometric, mean
+    if accounting == "ps" and plan["bound"] == "profile":  # an (ε, δ) charge, cap inside
+        assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    elif accounting == "ps":  # the bound, whatever K; the cap's TV t = 0.5^cap (geometric, mean
         # 2) costs (1 + e^ε)·t of δ at the dataset's ε, bounded by its budget ε = 10
         tail = 0.5 ** plan["method"]["max_trials"]
         spent = epsilon_from_rdp(tuning_rdp(curve, 2, 1), plan["delta"] - (1 + math.e**10) * tail)

@@ -18,6 +18,7 @@ import pytest
 from scipy.stats import poisson
 
 from core.accounting import epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_rdp
+from core.accounting.profile import profile_epsilon
 
 BUDGET, DELTA = 20.0, 1e-5  # the dataset's lifetime budget
 JOB_EPSILON = 2.0
@@ -102,6 +103,13 @@ def test_default_cap_and_its_charge(api, spec, eta: Any, tail: Callable[[int], f
 
     assert cost(cap) <= DELTA / 100 < cost(cap - 1)  # the smallest such cap
     (reservation,) = api.budget(dataset)["entries"]
+    if plan["bound"] == "profile":  # the privacy-profile bound's (ε, δ) charges it, cap inside
+        trial = (plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
+        d = plan["method"]["profile_delta"]
+        assert (reservation["epsilon"], reservation["delta"]) == pytest.approx((plan["epsilon"], d))
+        by_profile = profile_epsilon(((*trial, plan["validation_noise"]),), d, MEAN, 1.0, tail(cap))
+        assert plan["epsilon"] == pytest.approx(by_profile, rel=1e-12)
+        return
     assert reservation["delta"] == pytest.approx(cost(cap), rel=1e-9)
 
     # The job's own (ε, δ): ε ≥ ε_rdp(δ − (1 + e^ε)·t), and no smaller ε is.

@@ -1,0 +1,54 @@
+"""The plan of a tuning job: what the analyst sees before anything is reserved, what the
+job's admission stores, and what the runner reads (``runner.job.JobContext``): the noise each
+trial runs with, how many trials, and what the job costs. :mod:`service.planning` makes it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from core.accounting import TuningMethod
+from core.config import ModelReport
+from core.shapes import Shape
+
+
+class TrialCount(BaseModel):
+    distribution: Literal["fixed", "geometric_stopping", "truncated_negative_binomial", "poisson"]
+    mean: float
+    max: int  # the most trials the job may run (a cap under random stopping)
+    eta: float | None = None
+
+
+class ProxySearch(BaseModel):
+    """A search on public data: ``trials`` candidates train on dataset ``dataset`` (free)."""
+
+    dataset: int
+    trials: int
+
+
+class Plan(BaseModel):
+    """What the analyst sees before anything is reserved."""
+
+    accounting: Literal["rdp", "lt", "ps"]
+    #: the next four describe every trial when the job has one shape; None when it searches
+    #: batch size or epochs (then ``shapes`` lists each one's)
+    sample_rate: float | None  # q = B / N
+    steps: int | None  # T per trial
+    noise_multiplier: float | None  # σ of each DP-SGD step
+    gradient_noise_multiplier: float | None  # σ_T left for the gradient after a DC-SGD/Andrew split
+    shapes: list[Shape]  # each (batch_size, epochs) a trial may run with: its q, T and σ
+    validation_noise: float | None  # σ of the private selection score, if any
+    trials: TrialCount
+    attempts_reserved: int | None  # rdp: K·(1 + max_retries) trial runs reserved
+    trial_epsilon: float  # one trial's ε at the job's δ (the largest of the shapes')
+    epsilon: float  # the job's ε ...
+    delta: float  # ... at this δ
+    method: TuningMethod  # how the trials are charged: kind and parameters
+    #: ps: the bound that states and charges the job: Papernot–Steinke's RDP bound, or the
+    #: privacy-profile bound (an (ε, δ) charge at ``method.profile_delta``), the smaller
+    bound: Literal["rdp", "profile"] | None = None
+    defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
+    model: ModelReport | None = None  # an imported model's inspection (service.own_models)
+    proxy: ProxySearch | None = None  # the search on a public proxy, if any
