@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -32,6 +31,7 @@ from core.config import (
     MethodConfig,
     ModelConfig,
     OptimizerConfig,
+    Strict,
     TrialConfig,
     ValidationConfig,
 )
@@ -140,12 +140,6 @@ def _scalar(value: Any) -> bool | int | float | str:
 
 
 Scalar = Annotated[Any, AfterValidator(_scalar)]
-
-
-class Strict(BaseModel):
-    """Forbids unknown fields, NaN, ±inf and coercion: no string or bool is read as a number."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Grid(Strict):

@@ -25,10 +25,10 @@ from ray import tune
 from ray.tune import CLIReporter
 from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
-from core.accounting import tuning_method
-from core.config import DatasetConfig, ModelConfig
+from core.config import DatasetConfig
 from core.entropy import secure_generator
-from core.spec import Selection
+from core.plan import Plan
+from core.spec import JobSpec
 from runner import summary
 from runner.client import ControlPlane
 from runner.job import AttemptRecorder, JobContext, param_space, run
@@ -39,22 +39,25 @@ from runner.summary import TrialLog, TrialRow, keep_alignment
 log = logging.getLogger("dptune.job")
 
 
-def _load(job_id: int, settings: RunnerSettings, api: ControlPlane) -> JobContext:
-    """Read the job and decide its trials. Under random stopping the job is marked started
-    *before* K is drawn, so that its whole bound is charged whatever K turns out to be — even
-    K = 0 (invariant 3): the budget must not tell anyone which K was drawn. Its candidates
-    are drawn inside the trials (:mod:`runner.search`)."""
-    job = api.context()
-    spec, plan = job["spec"], job["plan"]
-    method = tuning_method(plan["method"])
+def _load(
+    job_id: int,
+    settings: RunnerSettings,
+    api: ControlPlane,
+    job: dict[str, Any],
+    spec: JobSpec,
+    plan: Plan,
+) -> JobContext:
+    """Decide the job's trials (``job``: its context as read, ``spec`` and ``plan`` its
+    parts, typed). Under random stopping the job is marked started *before* K is drawn, so
+    that its whole bound is charged whatever K turns out to be — even K = 0 (invariant 3): the
+    budget must not tell anyone which K was drawn. Its candidates are drawn inside the trials
+    (:mod:`runner.search`)."""
     cands: list[Candidate] | None = None
-    if method.random_stopping:
+    if plan.method.random_stopping:
         api.start()
-        k = method.draw_trials(secure_generator())  # from OS entropy, never a seed
+        k = plan.method.draw_trials(secure_generator())  # from OS entropy, never a seed
     else:
-        cands = candidates(
-            spec["search_space"], spec["privacy"].get("trials") or 1, spec["seed"] or 0
-        )
+        cands = candidates(spec.search_space, spec.privacy.trials or 1, spec.seed or 0)
         k = len(cands)
     return JobContext(
         job_id,
@@ -86,7 +89,7 @@ def progress_reporter(ctx: JobContext) -> CLIReporter:
     hyperparameters — from its config (fixed K) or as the trial reported them once drawn
     (random stopping, :func:`runner.trainable.run_candidate`) — its steps, DP score and ε.
     Printed every 30 s while trials run, and once at the end."""
-    paths = list(ctx.spec["search_space"])
+    paths = list(ctx.spec.search_space)
     drawn = ctx.candidates is None
     return DashboardReporter(
         parameter_columns={"trial/index": "trial"}
@@ -96,7 +99,7 @@ def progress_reporter(ctx: JobContext) -> CLIReporter:
         max_column_length=24,  # the longest searchable path, optimizer.weight_decay, whole
         max_report_frequency=30,
         metric="dp_score",
-        mode=ctx.spec["selection"]["mode"],
+        mode=ctx.spec.selection.mode,
     )
 
 
@@ -106,12 +109,8 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     torch imported and the dataset read once per process, :func:`workers.data.load_cached`);
     one whose trial failed or died is replaced, so a retry starts in a fresh process. With
     ``proxy`` the candidates train on the job's public proxy instead (:func:`_search_proxy`)."""
-    resources = ctx.spec["resources"]
-    retries = (
-        0
-        if proxy or tuning_method(ctx.plan["method"]).random_stopping
-        else ctx.spec["privacy"]["max_retries"]
-    )
+    resources = ctx.spec.resources
+    retries = 0 if proxy or ctx.plan.method.random_stopping else ctx.spec.privacy.max_retries
     # Tune's default reporter ignores ``progress_reporter`` and picks its columns itself (the
     # first four metrics reported); this switch selects the reporter that shows those asked for
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
@@ -124,7 +123,7 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
     tuner = tune.Tuner(
         tune.with_resources(
             tune.with_parameters(run, ctx=ctx, proxy=proxy),
-            {"cpu": resources["cpu"], "gpu": resources["gpu"]},
+            {"cpu": resources.cpu, "gpu": resources.gpu},
         ),
         param_space=param_space(ctx),
         tune_config=tune_config(ctx, reuse, proxy),
@@ -161,7 +160,7 @@ def _search_proxy(ctx: JobContext, reuse: bool) -> JobContext:
     finishing leaves nothing to train privately."""
     rows = _tune(ctx, reuse, proxy=True)
     scores = {r.index: r.score for r in rows if r.score is not None}
-    best = Selection.model_validate(ctx.spec["selection"]).best(scores)
+    best = ctx.spec.selection.best(scores)
     log.info(
         "proxy search: %d of %d candidates finished; best %s",
         len(scores),
@@ -176,7 +175,7 @@ def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) 
     """Upload the best finished trial's weights by its DP selection score (invariant 5; the
     control plane checks the choice against the scores it recorded) and return its index; the
     other trials' weights are deleted (not DP outputs anyone should keep)."""
-    best = Selection.model_validate(ctx.spec["selection"]).best(scores)
+    best = ctx.spec.selection.best(scores)
     if best is None:
         log.warning("no trial finished: nothing to release")
         return None
@@ -186,40 +185,39 @@ def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) 
     return best
 
 
-def model_refusal(job: dict[str, Any]) -> str | None:
+def model_refusal(spec: JobSpec, plan: Plan) -> str | None:
     """Why the job's imported model must not train on these workers, if it must not. The
     control plane inspected it at admission (its report is ``plan.model``); the package here
     may differ, so it is inspected again before any trial, without data. Only then does the
     driver import torch and the engine (:mod:`runner.job`: a job's start waits for them)."""
-    planned = job["plan"].get("model")
+    planned = plan.model
     if planned is None:  # a built-in model
         return None
     from workers.models import build_model, inspect_model  # torch: for imported models only
 
-    cfg = ModelConfig.model_validate(job["spec"]["model"])
-    shape, classes = tuple(planned["input_shape"]), planned["num_classes"]
+    shape, classes = tuple(planned.input_shape), planned.num_classes
     try:
-        model = build_model(cfg, shape, classes)
+        model = build_model(spec.model, shape, classes)
     except ValueError as error:
         return str(error)
-    report = inspect_model(model, shape, classes, job["spec"]["method"]["per_sample"])
+    report = inspect_model(model, shape, classes, spec.method.per_sample)
     if report.refused:
         return f"model.name: DP-SGD cannot train this model: {report.reason}"
-    admitted = planned.get("state")
-    if admitted is not None and report.model_dump(mode="json")["state"] != admitted:
-        # its upload would be refused
+    if planned.state is not None and report.state != planned.state:  # its upload is refused
         return "model.name: the model built here holds other tensors than the one admitted"
     return None
 
 
 def run_job(job_id: int, settings: RunnerSettings) -> str:
     api = ControlPlane(settings.control_url, settings.job_token.get_secret_value(), job_id)
-    refusal = model_refusal(api.context())  # before the job starts or records an attempt
+    job = api.context()
+    spec, plan = JobSpec.model_validate(job["spec"]), Plan.model_validate(job["plan"])
+    refusal = model_refusal(spec, plan)  # before the job starts or records an attempt
     if refusal is not None:
         log.error("job %d: %s", job_id, refusal)
         api.end("failed", refusal[:2000])  # the longest error the control plane records
         return "failed"
-    ctx = _load(job_id, settings, api)
+    ctx = _load(job_id, settings, api, job, spec, plan)
     if ctx.proxy is not None:
         api.start()  # running while it searches: nothing is charged before a private trial
         ctx = _search_proxy(ctx, settings.reuse_processes)

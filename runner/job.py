@@ -4,7 +4,7 @@ configurations and Tune's search space, the callback that marks dead attempts, a
 release: :func:`hold`).
 
 Nothing here imports torch: the driver imports this module, and importing torch and the
-engine took 2–3 s of every job's start before its first trial process could begin. The
+engine would delay every job's start before its first trial process could begin. The
 trial code (:mod:`runner.trainable`) is imported by :func:`run`, in the trial's process.
 """
 
@@ -22,7 +22,8 @@ import httpx
 from ray import tune
 
 from core.config import DatasetConfig, TrialConfig
-from core.shapes import plan_shapes, shape_of
+from core.plan import Plan
+from core.shapes import shape_of
 from core.spec import JobSpec
 from runner.client import ControlPlane, ControlPlaneError
 from runner.search import Candidate
@@ -44,8 +45,8 @@ class JobContext:
     control_url: str
     token: str
     data_dir: Path
-    spec: dict[str, Any]
-    plan: dict[str, Any]
+    spec: JobSpec
+    plan: Plan
     dataset: DatasetConfig
     trials: int
     candidates: list[Candidate] | None
@@ -55,7 +56,7 @@ class JobContext:
     def holds_release(self) -> bool:
         """Whether the job holds its release (``privacy.hold_release``, random stopping only)
         and, as long, its cluster resources."""
-        return bool(self.spec["privacy"].get("hold_release", False))
+        return self.spec.privacy.hold_release
 
     def control_plane(self) -> ControlPlane:
         return _control_plane(self.control_url, self.token, self.job_id)
@@ -76,10 +77,8 @@ def trial_config(
     """A candidate's trial with its shape's planned noise, on the job's dataset (or another:
     its proxy). All of its privacy randomness comes from fresh OS entropy inside the trial
     (:mod:`workers.dp.randomness`)."""
-    shape = shape_of(plan_shapes(ctx.plan), params)
-    return JobSpec.model_validate(ctx.spec).trial_config(
-        dataset or ctx.dataset, shape, ctx.plan["delta"], params
-    )
+    shape = shape_of(ctx.plan.shapes, params)
+    return ctx.spec.trial_config(dataset or ctx.dataset, shape, ctx.plan.delta, params)
 
 
 def param_space(ctx: JobContext) -> dict[str, Any]:

@@ -16,31 +16,32 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from core.entropy import secure_generator
+from core.spec import Choice, Dimension, Grid, LogUniform
 
 Candidate = dict[str, Any]
 
 
-def _draw(dimension: dict[str, Any], rng: np.random.Generator) -> Any:
-    if "values" in dimension:
-        values = dimension["values"]
-        return values[int(rng.integers(len(values)))]
-    low, high = dimension["log_uniform"]
+def _draw(dimension: Choice | LogUniform, rng: np.random.Generator) -> Any:
+    if isinstance(dimension, Choice):
+        return dimension.values[int(rng.integers(len(dimension.values)))]
+    low, high = dimension.log_uniform
     return float(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
-def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -> list[Candidate]:
+def candidates(search_space: Mapping[str, Dimension], count: int, seed: int) -> list[Candidate]:
     """Fixed-K (``rdp``) jobs: grid points × ``count`` i.i.d. draws of the random dimensions
     (only the draws when there is no grid), reproducible from the job's ``seed`` — every
-    trial's outcome is released and charged anyway. ``search_space`` maps a dotted path to
-    ``{"grid"|"values"|"log_uniform": …}``."""
+    trial's outcome is released and charged anyway. ``search_space`` maps a dotted path to its
+    dimension (``JobSpec.search_space``)."""
     rng = np.random.default_rng(seed)
-    grid = {p: d["grid"] for p, d in search_space.items() if "grid" in d}
-    random = {p: d for p, d in search_space.items() if "grid" not in d}
+    grid = {p: d.grid for p, d in search_space.items() if isinstance(d, Grid)}
+    random = {p: d for p, d in search_space.items() if not isinstance(d, Grid)}
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     return [
         {**point, **{p: _draw(d, rng) for p, d in random.items()}}
@@ -50,7 +51,7 @@ def candidates(search_space: dict[str, dict[str, Any]], count: int, seed: int) -
 
 
 def random_candidate(
-    search_space: dict[str, dict[str, Any]], rng: np.random.Generator | None = None
+    search_space: Mapping[str, Dimension], rng: np.random.Generator | None = None
 ) -> Candidate:
     """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
     rng = rng or secure_generator()

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core.accounting import epsilon_from_rdp
-from core.shapes import plan_shapes, shape_curve, shape_of, trial_curve
+from core.shapes import shape_curve, shape_of, trial_curve
 from runner.job import JobContext, trial_index
 
 
@@ -91,17 +91,17 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
     """The trials, with each one's ε: ε of its attempts composed (each attempt runs the whole
     trial mechanism of the plan), at the job's δ."""
     plan = ctx.plan
-    shapes = plan_shapes(plan)
+    shapes = plan.shapes
 
     def curve(params: dict[str, Any]) -> np.ndarray:
         """The trial's shape's curve; the largest shape's bound for a trial that died before
         it reported the candidate it drew."""
         try:
-            return shape_curve(shape_of(shapes, params), plan["validation_noise"])
+            return shape_curve(shape_of(shapes, params), plan.validation_noise)
         except ValueError:
-            return trial_curve(shapes, plan["validation_noise"], any_one=True)
+            return trial_curve(shapes, plan.validation_noise, any_one=True)
 
-    paths = list(ctx.spec["search_space"])
+    paths = list(ctx.spec.search_space)
     table = Table(title=f"dptune job {ctx.job_id}: trials", box=box.ROUNDED, title_justify="left")
     table.add_column("trial", justify="right")
     for path in paths:
@@ -111,7 +111,7 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
         table.add_column(name, justify="right")
     for row in rows:
         eps = (
-            epsilon_from_rdp(row.attempts * curve(row.params), plan["delta"])[0]
+            epsilon_from_rdp(row.attempts * curve(row.params), plan.delta)[0]
             if row.attempts
             else None
         )
@@ -142,7 +142,7 @@ def show(
     )
     file.write(keep_alignment(table.getvalue()))
     epsilon, delta = charged
-    print(f"charged: ε = {epsilon:.4g} at δ = {delta:g} ({ctx.plan['accounting']})", file=file)
+    print(f"charged: ε = {epsilon:.4g} at δ = {delta:g} ({ctx.plan.accounting})", file=file)
     best = next((row for row in rows if row.index == released), None)
     if best is None:
         print("released: nothing (no trial finished)", file=file, flush=True)

@@ -41,11 +41,11 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
     entered = time.time()
     index = trial_index(config)
     # as many torch threads as CPUs reserved: more oversubscribe a node shared by trials
-    torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
+    torch.set_num_threads(max(1, math.floor(ctx.spec.resources.cpu)))
     api = ctx.control_plane()
     drawn = "params" not in config["trial"]
-    params = random_candidate(ctx.spec["search_space"]) if drawn else config["trial"]["params"]
-    shown = {"epsilon": ctx.plan["trial_epsilon"]} | ({"params": params} if drawn else {})
+    params = random_candidate(ctx.spec.search_space) if drawn else config["trial"]["params"]
+    shown = {"epsilon": ctx.plan.trial_epsilon} | ({"params": params} if drawn else {})
     try:
         # Charged before any data is read; refused when the reservation does not cover it
         # (a cancelled job, retries used up): then the trial ends without touching data.
@@ -113,7 +113,7 @@ def run_on_proxy(config: dict[str, Any], ctx: JobContext) -> None:
     private data, so nothing is recorded with the control plane, nor charged; its score is
     Tune's, and picks the candidate that then trains on the private data."""
     assert ctx.proxy is not None
-    torch.set_num_threads(max(1, math.floor(ctx.spec["resources"]["cpu"])))
+    torch.set_num_threads(max(1, math.floor(ctx.spec.resources.cpu)))
     params = config["trial"]["params"]
     result = run_trial(trial_config(ctx, params, ctx.proxy), data_dir=ctx.data_dir).result
     tune.report({"steps": result["steps"], "dp_score": result["score"]["value"]})

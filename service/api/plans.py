@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from core.plan import Plan
 from core.spec import JobSpec
 from service import ledger
 from service.api.deps import Caller, SessionDep, SettingsDep, job_dataset
 from service.api.errors import COMMON, responses
 from service.api.shedding import RESPONSES as SHED
 from service.own_models import plan_with_model
-from service.planning import Plan
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=COMMON)
 

@@ -20,12 +20,12 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from sqlalchemy.orm import Session
 
-from core.config import DatasetConfig, StateTensor
+from core.config import DatasetConfig, StateTensor, Strict
 from core.shapes import plan_shapes, shape_of
 from core.spec import MAX_ID, JobSpec, Scalar, check_json, printable
 from service import attempts, ledger, lifecycle, visibility
@@ -69,10 +69,6 @@ def runner_job(
 
 RunnerJob = Annotated[int, Depends(runner_job)]
 Index = Annotated[int, Path(ge=0, le=MAX_ID)]  # a trial's index in its job
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class JobContextOut(BaseModel):

@@ -27,6 +27,9 @@ def _at(text: str) -> datetime:
 def test_a_held_job_keeps_its_cpus_until_its_hold_ends(service, digits, data_dir) -> None:
     spec = small_job(digits, "ps", mean=2, eta=1, hold_release=True)
     spec["resources"] = {"cpu": 2}  # the whole head
+    # trials of a tenth of a second make a hold (the cap, about 40, times trial 0) shorter than
+    # K trials' gaps: the job could end before a poll saw it running
+    spec["epochs"] = 10
     held = service.post("/v1/jobs", spec)
     job = service.wait(
         held["id"], lambda j: j["progress"]["trials_done"] or j["status"] not in ACTIVE

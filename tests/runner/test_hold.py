@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 import runner
 from core.config import DatasetConfig
+from core.plan import Plan
+from core.spec import JobSpec
 from runner import driver, job
 from runner.client import ControlPlaneError
 from runner.job import JobContext
@@ -108,8 +110,14 @@ def context(hold: bool, trials: int = 3) -> JobContext:
         control_url="http://control",
         token="dpr_x",
         data_dir=Path("/nonexistent"),
-        spec={"privacy": {"accounting": "lt", "hold_release": hold}, "search_space": {}},
-        plan={},
+        spec=JobSpec.model_validate(
+            {
+                "dataset": 1,
+                "model": {"name": "mlp"},
+                "privacy": {"epsilon": 1.0, "accounting": "lt", "gamma": 0.1, "hold_release": hold},
+            }
+        ),
+        plan=Plan.model_construct(),  # the hold reads none of it
         dataset=DatasetConfig(source="builtin:digits"),
         trials=trials,
         candidates=None,

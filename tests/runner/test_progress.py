@@ -117,8 +117,8 @@ def test_a_trials_nan_rows_do_not_fail_its_reporting(
         raise Ended
 
     ctx = SimpleNamespace(
-        spec={"resources": {"cpu": 1}, "search_space": {}},
-        plan={"trial_epsilon": 1.0},
+        spec=SimpleNamespace(resources=SimpleNamespace(cpu=1), search_space={}),
+        plan=SimpleNamespace(trial_epsilon=1.0),
         data_dir=tmp_path,
         control_plane=lambda: api,
     )

@@ -4,19 +4,26 @@ import math
 
 import numpy as np
 import pytest
+from pydantic import TypeAdapter
 from scipy import stats
 
 from core.accounting import Rdp, tuning_method
 from core.accounting.tuning import tnb_gamma
+from core.spec import Dimension
 from runner.search import candidates, random_candidate
+
+#: a search space as a job spec holds it (``JobSpec.search_space``)
+SPACE: TypeAdapter[dict[str, Dimension]] = TypeAdapter(dict[str, Dimension])
 
 
 def test_grid_times_random_draws() -> None:
-    space = {
-        "optimizer.lr": {"grid": [0.1, 0.5]},
-        "method.threshold": {"log_uniform": [0.1, 10]},
-        "method.clipping": {"values": ["abadi", "auto_s"]},
-    }
+    space = SPACE.validate_python(
+        {
+            "optimizer.lr": {"grid": [0.1, 0.5]},
+            "method.threshold": {"log_uniform": [0.1, 10.0]},
+            "method.clipping": {"values": ["abadi", "auto_s"]},
+        }
+    )
     cands = candidates(space, 3, seed=1)
     assert len(cands) == 6
     assert [c["optimizer.lr"] for c in cands] == [0.1] * 3 + [0.5] * 3
@@ -30,7 +37,8 @@ def test_no_search_space_is_one_default_candidate_per_draw() -> None:
 
 
 def test_log_uniform_is_uniform_in_log() -> None:
-    cands = candidates({"optimizer.lr": {"log_uniform": [1e-3, 1.0]}}, 4000, seed=2)
+    space = SPACE.validate_python({"optimizer.lr": {"log_uniform": [1e-3, 1.0]}})
+    cands = candidates(space, 4000, seed=2)
     logs = np.log10([c["optimizer.lr"] for c in cands])
     assert stats.kstest(logs, stats.uniform(loc=-3, scale=3).cdf).pvalue > 1e-3
 
@@ -75,10 +83,12 @@ def test_fixed_accounting_has_no_random_count() -> None:
 def test_random_stopping_candidates_come_from_os_entropy() -> None:
     """Under lt/ps the released hyperparameters must not tell which draw won: candidates used
     to be drawn from the analyst's seed, so replaying it gave the winner's index (K ≥ index)."""
-    space = {
-        "optimizer.lr": {"log_uniform": [1e-4, 1.0]},
-        "method.clipping": {"values": ["abadi", "auto_s", "auto_v"]},
-    }
+    space = SPACE.validate_python(
+        {
+            "optimizer.lr": {"log_uniform": [1e-4, 1.0]},
+            "method.clipping": {"values": ["abadi", "auto_s", "auto_v"]},
+        }
+    )
     draws = []
     for _ in range(2):
         np.random.seed(0)  # every global generator in a state the analyst could know

@@ -12,6 +12,8 @@ import pytest
 
 from core.accounting import tuning_epsilon
 from core.config import DatasetConfig
+from core.plan import Plan
+from core.spec import JobSpec
 from runner.job import JobContext
 from runner.summary import TrialRow, keep_alignment, show, trial_row
 
@@ -19,6 +21,7 @@ PLAN = {
     "accounting": "rdp",
     "sample_rate": 0.05,
     "noise_multiplier": 1.2,
+    "gradient_noise_multiplier": 1.2,
     "steps": 40,
     "shapes": [
         {
@@ -32,7 +35,13 @@ PLAN = {
         }
     ],
     "validation_noise": None,
+    "trials": {"distribution": "fixed", "mean": 3, "max": 3},
+    "attempts_reserved": 3,
+    "trial_epsilon": 1.0,
+    "epsilon": 1.6,
     "delta": 1e-5,
+    "method": {"kind": "rdp", "trials": 3},
+    "defaults": {},
 }
 
 
@@ -64,8 +73,15 @@ def context(search_space: dict[str, Any]) -> JobContext:
         control_url="http://control",
         token="dpr_x",
         data_dir=Path("/nonexistent"),
-        spec={"search_space": search_space},
-        plan=PLAN,
+        spec=JobSpec.model_validate(
+            {
+                "dataset": 1,
+                "model": {"name": "mlp"},
+                "privacy": {"epsilon": 1.6, "accounting": "rdp"},
+                "search_space": search_space,
+            }
+        ),
+        plan=Plan.model_validate(PLAN),
         dataset=DatasetConfig(source="builtin:digits"),
         trials=3,
         candidates=None,

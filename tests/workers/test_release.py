@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import runner.trainable
-from core.config import ModelConfig, TrialConfig
+from core.config import ModelConfig, ModelReport, TrialConfig
+from core.plan import Plan
+from core.spec import JobSpec
 from runner.driver import model_refusal
 from workers.models import build_model, inspect_model
 from workers.release import InitialState, released_state
@@ -108,10 +110,15 @@ def test_workers_that_build_other_tensors_than_admitted_refuse_the_model() -> No
     model = {"name": "dptune_test_models:recorder", "options": {"keep": "sparse_buffer"}}
     built = build_model(ModelConfig.model_validate(model), DIGITS, 10)
     report = inspect_model(built, DIGITS, 10, "fast").model_dump(mode="json")
-    job = {"spec": {"model": model, "method": {"per_sample": "fast"}}, "plan": {"model": report}}
-    assert model_refusal(job) is None
+    privacy = {"epsilon": 1.0, "accounting": "rdp"}
+    spec = JobSpec.model_validate({"dataset": 1, "model": model, "privacy": privacy})
+
+    def plan(model: dict[str, Any]) -> Plan:  # the refusal reads only the plan's model
+        return Plan.model_construct(model=ModelReport.model_validate(model))
+
+    assert model_refusal(spec, plan(report)) is None
     report["state"]["1.stat"]["shape"] = [32]
-    assert "other tensors than the one admitted" in str(model_refusal(job))
+    assert "other tensors than the one admitted" in str(model_refusal(spec, plan(report)))
 
 
 def _result() -> dict[str, Any]:
@@ -124,8 +131,10 @@ def _run_candidate(monkeypatch, tmp_path: Path, outcome: TrialOutcome) -> dict[s
         start_attempt=lambda *_: 1, finish=lambda *_: None, progress=lambda *_: None
     )
     ctx = SimpleNamespace(
-        spec={"resources": {"cpu": torch.get_num_threads()}, "search_space": {}},
-        plan={"trial_epsilon": 1.0},
+        spec=SimpleNamespace(
+            resources=SimpleNamespace(cpu=torch.get_num_threads()), search_space={}
+        ),
+        plan=SimpleNamespace(trial_epsilon=1.0),
         control_plane=lambda: api,
         weights_path=lambda index: tmp_path / f"trial-{index}.safetensors",
         data_dir=tmp_path,
