@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic import Strict as StrictType
 
+from core.accounting import CAP_DELTA_SHARE, LT_DELTA2_SHARE, LT_DELTA_SHARE
 from core.config import (
     DELTA,
     MAX_BATCH,
@@ -209,11 +210,12 @@ class Privacy(Strict):
       (``trials`` random draws per grid point, default 1; required when some dimension is
       random). ``max_retries`` re-runs of a failed trial are reserved and charged if used.
     - ``lt``: Liu–Talwar random stopping: stop after each trial with probability ``gamma``
-      (or give ``expected_trials`` = 1/γ); ``delta2`` (default δ/2) sets the cap on trials.
+      (or give ``expected_trials`` = 1/γ); ``delta2`` (default: a share of δ,
+      :data:`~core.accounting.LT_DELTA2_SHARE`) sets the cap on trials.
     - ``ps``: Papernot–Steinke: K ~ truncated negative binomial with ``mean`` and ``eta``
       (η = 1 geometric, η = 0 logarithmic) or ``eta: "poisson"``; ``max_trials`` caps K
-      (default: the smallest cap whose cost in δ, (1 + e^ε)·P[K > cap], is at most δ/100;
-      see :func:`core.accounting.cap_delta`).
+      (default: the smallest cap whose cost in δ, (1 + e^ε)·P[K > cap], is at most a share of
+      δ, :data:`~core.accounting.CAP_DELTA_SHARE`; see :func:`core.accounting.cap_delta`).
 
     ``hold_release`` (``lt``, ``ps``): the analyst sees the job ``running``, with no model,
     until as long after its start as the cap on trials would take at the pace of its first
@@ -232,10 +234,10 @@ class Privacy(Strict):
         ge=DELTA[0],
         le=DELTA[1],
         description="The job's δ, at most the dataset's. Null: the dataset's δ under `rdp` and "
-        "`ps` (their RDP curves compose with the dataset's other charges); under `lt` a tenth "
-        "of the dataset's δ not yet held by (ε, δ) charges, as `lt`'s δ is taken out of the "
-        "dataset's by basic composition, so that the defaults fit in any order of jobs. The "
-        "plan's `defaults` names each value the planner filled in, and why.",
+        "`ps` (their RDP curves compose with the dataset's other charges); under `lt` "
+        f"{LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges, as `lt`'s δ "
+        "is taken out of the dataset's by basic composition, so that the defaults fit in any "
+        "order of jobs. The plan's `defaults` names each value the planner filled in, and why.",
     )
     accounting: Literal["rdp", "lt", "ps"] = Field(
         description="How the search is charged. `rdp`: a fixed number K of trials composed in "
@@ -275,8 +277,8 @@ class Privacy(Strict):
         None,
         ge=DELTA[0],
         le=DELTA[1],
-        description="`lt`: δ₂, which sets the cap on trials, ln(1/δ₂)/γ; null: half of the "
-        "job's δ.",
+        description="`lt`: δ₂, which sets the cap on trials, ln(1/δ₂)/γ; null: "
+        f"{LT_DELTA2_SHARE:g} of the job's δ.",
     )
     mean: float | None = Field(
         None,
@@ -294,7 +296,8 @@ class Privacy(Strict):
         ge=1,
         le=MAX_TRIALS,
         description="`ps`: a cap on K. Null: the smallest cap whose cost in δ, "
-        "(1 + e^ε)·P[K > cap], is at most δ/100, ε the larger of the dataset's and the job's "
+        f"(1 + e^ε)·P[K > cap], is at most {CAP_DELTA_SHARE:g}·δ, ε the larger of the dataset's "
+        "and the job's "
         f"(refused on `privacy.mean` if above {MAX_TRIALS}); a cap given whose cost is not "
         "below the job's δ is refused.",
     )

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from core import accounting
+from core.accounting import CAP_DELTA_SHARE, LT_DELTA_SHARE
 from core.config import DELTA
 from core.noise import gradient_noise
 from core.plan import Plan, ProxySearch, TrialCount
@@ -33,10 +34,6 @@ from service import ledger, recipes
 from service.db import Dataset
 
 MAX_STEPS = 1_000_000  # DP-SGD steps of one trial
-#: an lt job's default δ: this share of the dataset's δ not yet held by (ε, δ) charges
-LT_DELTA_SHARE = 0.1
-#: a ps job's default cap on K: the smallest whose δ cost is at most this share of the job's δ
-CAP_DELTA_SHARE = 0.01
 #: a job with several shapes costs ε ∈ [target·(1 − SHAPES_TOLERANCE), target]
 SHAPES_TOLERANCE = 0.01
 #: rounds of the search for the shapes' common per-trial ε

@@ -7,7 +7,9 @@ Pure functions, no state: the ledger (``service/``) stores charges and recompute
 from core.accounting.calibration import calibrate_noise
 from core.accounting.charges import Charge, dataset_epsilon, trial_rdp
 from core.accounting.methods import (
+    CAP_DELTA_SHARE,
     LT_DELTA2_SHARE,
+    LT_DELTA_SHARE,
     RANDOM_STOPPING,
     SINGLE,
     LiuTalwar,
@@ -37,7 +39,9 @@ from core.accounting.tuning import (
 )
 
 __all__ = [
+    "CAP_DELTA_SHARE",
     "LT_DELTA2_SHARE",
+    "LT_DELTA_SHARE",
     "ORDERS",
     "RANDOM_STOPPING",
     "SINGLE",
