@@ -22,10 +22,21 @@ class TrialCount(BaseModel):
 
 
 class ProxySearch(BaseModel):
-    """A search on public data: ``trials`` candidates train on dataset ``dataset`` (free)."""
+    """A search on public data: ``trials`` candidates train on dataset ``dataset`` (free), of
+    ``size`` examples, each shape at its own sampling rate q and steps T there
+    (:func:`proxy_batch_size`). None in a plan made before sizes were recorded."""
 
     dataset: int
     trials: int
+    size: int | None = None
+
+
+def proxy_batch_size(sample_rate: float, size: int) -> int:
+    """The batch a shape of sampling rate q = B/N runs on a proxy of ``size`` examples: q·size
+    rounded (at least 1), so that with the shape's epochs it runs the same T = epochs/q steps
+    at the same q and σ — the candidate meets the noise it will meet on the private data,
+    whether the proxy is smaller or larger than it."""
+    return max(1, round(sample_rate * size))
 
 
 class Plan(BaseModel):

@@ -19,6 +19,8 @@ import torch
 from ray import tune
 from safetensors.torch import save_file
 
+from core.plan import proxy_batch_size
+from core.shapes import shape_of
 from runner.client import AttemptRefused, Progress
 from runner.job import JobContext, trial_config, trial_index
 from runner.search import random_candidate
@@ -109,11 +111,17 @@ def run_candidate(config: dict[str, Any], ctx: JobContext) -> None:
 
 def run_on_proxy(config: dict[str, Any], ctx: JobContext) -> None:
     """The Ray Tune trainable of a proxy search: one candidate trained on the job's public
-    proxy, as it would train on the private data (its shape's B, epochs and σ). It reads no
+    proxy, as it would train on the private data: its shape's q, T and σ, with the batch
+    scaled to the proxy's size (:func:`core.plan.proxy_batch_size`). It reads no
     private data, so nothing is recorded with the control plane, nor charged; its score is
     Tune's, and picks the candidate that then trains on the private data."""
     assert ctx.proxy is not None
     torch.set_num_threads(max(1, math.floor(ctx.spec.resources.cpu)))
     params = config["trial"]["params"]
-    result = run_trial(trial_config(ctx, params, ctx.proxy), data_dir=ctx.data_dir).result
+    cfg = trial_config(ctx, params, ctx.proxy)
+    search = ctx.plan.proxy
+    if search is not None and search.size is not None:  # the shape's q and T on the proxy
+        rate = shape_of(ctx.plan.shapes, params).sample_rate
+        cfg = cfg.model_copy(update={"batch_size": proxy_batch_size(rate, search.size)})
+    result = run_trial(cfg, data_dir=ctx.data_dir).result
     tune.report({"steps": result["steps"], "dp_score": result["score"]["value"]})

@@ -115,7 +115,11 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
             else None
         ),
         defaults=defaults | delta_default | method_defaults,
-        proxy=ProxySearch(dataset=spec.proxy, trials=spec.candidate_count()) if proxy else None,
+        proxy=(
+            ProxySearch(dataset=proxy[0].id, trials=spec.candidate_count(), size=proxy[0].n)
+            if proxy
+            else None
+        ),
     )
     reservation = method.charge(trial, delta, dataset.epsilon, mechanisms)
     return PlannedJob(plan=plan, reservation=reservation, spec=spec)
@@ -136,7 +140,8 @@ def _check_defaults(spec: JobSpec, defaults: dict[str, str]) -> None:
 
 def _proxy(spec: JobSpec, dataset: Dataset, session: Session) -> tuple[Dataset, ...]:
     """The job's public proxy (none, or one): registered public, and shaped like the private
-    dataset, so that the candidate found there trains there as it did on the proxy."""
+    dataset, so that the candidate found there trains there as it did on the proxy. Its size
+    may differ: each shape runs there at its own q and T (``core.plan.proxy_batch_size``)."""
     if spec.proxy is None:
         return ()
     proxy = session.get(Dataset, spec.proxy)
@@ -148,8 +153,6 @@ def _proxy(spec: JobSpec, dataset: Dataset, session: Session) -> tuple[Dataset, 
             f"dataset {proxy.id} has inputs {proxy.input_shape} and {proxy.num_classes} classes, "
             f"dataset {dataset.id} {dataset.input_shape} and {dataset.num_classes}",
         )
-    if any(s["batch_size"] is not None and s["batch_size"] > proxy.n for s in spec.shape_grid()):
-        raise PlanError("batch_size", f"exceeds the proxy's {proxy.n} examples")
     return (proxy,)
 
 

@@ -8,9 +8,11 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from sklearn.datasets import load_digits
 
 from core.accounting import (
     epsilon_from_rdp,
@@ -179,6 +181,37 @@ def test_a_proxy_search_trains_once_on_the_private_data(service, digits) -> None
     assert budget["spent"] == pytest.approx(epsilon_from_rdp(curve, 1e-5)[0], rel=1e-9)
     assert budget["spent"] <= job["plan"]["epsilon"] <= 2.0
     assert service.get(f"/v1/datasets/{public}/budget")["spent"] == 0.0
+
+
+def test_a_proxy_smaller_than_a_batch_searches_at_its_own_size(service, data_dir) -> None:
+    """A proxy of 120 digits searches shapes of batch 512 (more than it holds): each candidate
+    trains there at its shape's q and T, and the winner trains once on the 900 private ones."""
+    x, y = load_digits(return_X_y=True)
+    np.savez(data_dir / "private.npz", x=x[:900].astype(np.float32), y=y[:900])
+    np.savez(data_dir / "proxy.npz", x=x[900:1020].astype(np.float32), y=y[900:1020])
+
+    def register(name: str, public: bool) -> int:
+        body = {"name": name, "source": f"npz:{name}.npz", "num_classes": 10, "epsilon": 10.0}
+        return service.post("/v1/datasets", body | {"delta": 1e-5, "public": public})["id"]
+
+    private, proxy = register("private", False), register("proxy", True)
+    spec = small_job(private) | {"proxy": proxy}
+    spec["validation"] = {"split": "private", "fraction": 0.2, "noise": 20.0}
+    spec["search_space"] = {
+        "method.threshold": {"grid": [0.5, 2.0]},
+        "batch_size": {"grid": [64, 512]},
+    }
+    job = service.post("/v1/jobs", spec)
+    assert job["plan"]["proxy"]["size"] == 120
+    done = service.wait(job["id"])
+    log = service.orchestrator.logs(job["id"])
+    assert done["status"] == "released", log[-5000:]
+    assert "proxy search: 4 of 4 candidates finished" in log
+    [trial] = service.get(f"/v1/jobs/{job['id']}/trials")
+    shape = next(
+        s for s in job["plan"]["shapes"] if s["batch_size"] == trial["params"]["batch_size"]
+    )
+    assert trial["steps"] == shape["steps"]
 
 
 def test_a_retried_attempt_is_charged_too(service, digits) -> None:

@@ -5,14 +5,20 @@ whatever shape the search picks, and never more."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
 
 from core.accounting import ORDERS
+from core.plan import proxy_batch_size
+from core.sampling import num_steps
 from core.shapes import plan_shapes
 from service.api import create_app
 
@@ -58,7 +64,7 @@ def test_a_proxy_search_costs_one_private_trial_of_any_shape(runs):
     assert r.status_code == 202, r.text
     job = r.json()
     plan = job["plan"]
-    assert plan["proxy"] == {"dataset": public["id"], "trials": 6}
+    assert plan["proxy"] == {"dataset": public["id"], "trials": 6, "size": public["n"]}
     assert plan["trials"]["max"] == 1 and plan["method"] == {"kind": "rdp", "trials": 1}
     assert 2.0 * 0.99 <= plan["epsilon"] <= 2.0
     # the private run may be either shape: each alone costs at most the job's ε
@@ -106,3 +112,44 @@ def test_proxies_are_public_shaped_alike_and_in_scope(runs):
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "proxy"
     analyst = api.analyst(private)  # the proxy is not in its scope
     assert post(_proxy_spec(private, public), analyst).status_code == 404
+
+
+def _npz(path: Path, n: int) -> None:
+    rng = np.random.default_rng(n)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    np.savez(path, x=x, y=rng.integers(0, 3, size=n))
+
+
+def test_a_proxy_smaller_than_a_batch_is_searched_at_its_own_size(runs, settings):
+    """A proxy of 60 examples searches shapes of batch 128 (refused before): the plan records
+    its size, and each shape runs there at its own q and T."""
+    api, _ = runs
+    _npz(settings.data_path / "private.npz", 400)
+    _npz(settings.data_path / "small.npz", 60)
+    private = api.register("private", source="npz:private.npz", num_classes=3)["id"]
+    public = api.register("small", source="npz:small.npz", num_classes=3, public=True)["id"]
+    body = _proxy_spec(private, public)
+    body["validation"] = {"split": "private", "fraction": 0.2, "noise": 20.0}
+    r = api.client.post("/v1/plans", headers=api.operator, json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["proxy"] == {"dataset": public, "trials": 6, "size": 60}
+    for shape in plan_shapes(plan):
+        batch = proxy_batch_size(shape.sample_rate, 60)
+        assert 1 <= batch <= 60
+        assert num_steps(60, batch, shape.epochs) == pytest.approx(shape.steps, rel=0.1)
+
+
+@given(
+    rate=st.floats(1e-4, 1.0),
+    size=st.integers(1, 10**6),
+    epochs=st.floats(0.5, 50),
+)
+def test_a_proxy_batch_keeps_the_shapes_rate_and_steps(rate, size, epochs) -> None:
+    """q·size rounded, at least one: the proxy's rate is within half an example of q, and its
+    steps epochs·size/B within that of epochs/q (exactly the shape's T when q·size ≥ 1)."""
+    batch = proxy_batch_size(rate, size)
+    assert batch >= 1
+    assert abs(batch - rate * size) <= 0.5 or batch == 1
+    if rate * size >= 10:
+        assert num_steps(size, batch, epochs) == pytest.approx(epochs / rate, rel=0.06, abs=1)
