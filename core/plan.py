@@ -51,6 +51,11 @@ class Plan(BaseModel):
     gradient_noise_multiplier: float | None  # σ_T left for the gradient after a DC-SGD/Andrew split
     shapes: list[Shape]  # each (batch_size, epochs) a trial may run with: its q, T and σ
     validation_noise: float | None  # σ of the private selection score, if any
+    #: the standard deviation of the noise the release adds to a private selection score,
+    #: σ_v/(f·N) (the score is a count over the f·N examples expected held out): how far apart
+    #: two trials' scores must be to tell them apart. None for a public score, or in a plan
+    #: made before it was recorded.
+    score_std: float | None = None
     trials: TrialCount
     attempts_reserved: int | None  # rdp: K·(1 + max_retries) trial runs reserved
     trial_epsilon: float  # one trial's ε at the job's δ (the largest of the shapes')

@@ -103,6 +103,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         gradient_noise_multiplier=one and one.gradient_noise_multiplier,
         shapes=shapes,
         validation_noise=noise,
+        score_std=noise / (validation.fraction * dataset.n) if noise else None,
         trials=_trial_count(spec, method),
         attempts_reserved=method.trials if isinstance(method, accounting.Rdp) else None,
         trial_epsilon=max(s.trial_epsilon for s in shapes),

@@ -70,6 +70,8 @@ class Report:
     points: list[Point]
     budget: float
     rows: list[Row]
+    #: the release noise's standard deviation of a private score (the plan's): error bars
+    score_std: float | None = None
 
 
 def collect(session: Session, job: Job, caller: Principal) -> Report:
@@ -95,7 +97,8 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
             f"job {job.id} on {dataset.name!r}: {job.accounting}, "
             f"ε = {job.plan['epsilon']:.3g}, {view.status}"
         ),
-        score_label=f"DP score ({selection.metric}, {selection.mode})",
+        score_label=f"DP score ({selection.metric}, {selection.mode})"
+        + (f", ± {job.plan['score_std']:.2g}" if job.plan.get("score_std") else ""),
         dimensions=[
             Dimension(path, next(iter(dim.values())), "log_uniform" in dim)
             for path, dim in job.spec["search_space"].items()
@@ -110,6 +113,7 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
             Row(e.kind, *totals[e.id], e.created_at, e.job == job.id)
             for e in visibility.ledger_entries(session, caller, dataset, rows)
         ],
+        score_std=job.plan.get("score_std"),
     )
 
 
@@ -130,16 +134,18 @@ def draw(report: Report) -> Figure:
     for column, dim in enumerate(report.dimensions or [None]):
         ax = figure.add_subplot(grid[0, column])
         if dim is None:
-            _trials_by_index(ax, report.points)
+            _trials_by_index(ax, report.points, report.score_std)
         else:
-            _trials_by_value(ax, dim, report.points)
+            _trials_by_value(ax, dim, report.points, report.score_std)
         ax.set_ylabel(report.score_label if column == 0 else "")
         _no_data(ax, not report.points, "no trial to show")
     _ledger(figure.add_subplot(grid[1, :]), report.rows, report.budget)
     return figure
 
 
-def _trials_by_value(ax: Axes, dim: Dimension, points: list[Point]) -> None:
+def _trials_by_value(
+    ax: Axes, dim: Dimension, points: list[Point], std: float | None = None
+) -> None:
     """Scores against one hyperparameter. The axis spans the search space, not the trials
     shown, so that it does not move with them."""
     numeric = all(_number(v) for v in dim.values)
@@ -165,7 +171,7 @@ def _trials_by_value(ax: Axes, dim: Dimension, points: list[Point]) -> None:
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlim(-0.5, len(labels) - 0.5)
         xs = [float(labels.index(str(p.params[dim.path]))) for p in points]
-    _scatter(ax, xs, points)
+    _scatter(ax, xs, points, std)
     ax.set_xlabel(dim.path)
 
 
@@ -173,14 +179,19 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _trials_by_index(ax: Axes, points: list[Point]) -> None:
+def _trials_by_index(ax: Axes, points: list[Point], std: float | None = None) -> None:
     """A job that searches nothing: scores by trial (the released trial alone, at 0, when
     indices are withheld)."""
-    _scatter(ax, [float(p.index or 0) for p in points], points)
+    _scatter(ax, [float(p.index or 0) for p in points], points, std)
     ax.set_xlabel("trial")
 
 
-def _scatter(ax: Axes, xs: list[float], points: list[Point]) -> None:
+def _scatter(ax: Axes, xs: list[float], points: list[Point], std: float | None) -> None:
+    """The scores, the released one starred; with ``std``, each within ± one standard
+    deviation of its release noise (error bars): scores closer than that are a draw."""
+    if std and points:
+        ys = [_finite(p.score) for p in points]
+        ax.errorbar(xs, ys, yerr=std, fmt="none", ecolor="0.6", elinewidth=1, capsize=3)
     others = [(x, p.score) for x, p in zip(xs, points, strict=True) if not p.released]
     best = [(x, p.score) for x, p in zip(xs, points, strict=True) if p.released]
     if others:

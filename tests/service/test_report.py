@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from matplotlib.collections import PathCollection
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
@@ -165,11 +166,27 @@ def test_report_draws_the_trials_and_ledger_the_caller_sees(svc, spec):
         assert last.spent == pytest.approx(budget["spent"], rel=1e-9)
         assert last.committed == pytest.approx(budget["spent"] + budget["reserved"], rel=1e-9)
 
-    figure = reporting.draw(svc.collect("analyst", job_id))
+    report = svc.collect("analyst", job_id)
+    figure = reporting.draw(report)
     lr = figure.axes[0]
     assert lr.get_xlabel() == "optimizer.lr" and lr.get_xscale() == "log"
-    trials, released = (c.get_offsets().tolist() for c in lr.collections)
+    trials, released = (c.get_offsets().tolist() for c in _points(lr))
     assert trials == [[0.01, 0.4], [1.0, 0.6]] and released == [[0.1, 0.8]]
+    # the private score's release noise, σ_v/(f·N), as error bars around every score
+    analyst = svc.headers("analyst")
+    plan = svc.client.get(f"/v1/jobs/{job_id}", headers=analyst).json()["plan"]
+    n = svc.client.get(f"/v1/datasets/{svc.dataset}", headers=analyst).json()["n"]
+    assert report.score_std == plan["score_std"] == pytest.approx(20.0 / (0.1 * n))
+    [bars] = lr.containers
+    segments = bars.lines[2][0].get_segments()
+    ends = [end for s in segments for end in (s[0][1], s[1][1])]
+    std = report.score_std
+    assert ends == pytest.approx([e for y in (0.4, 0.8, 0.6) for e in (y - std, y + std)])
+
+
+def _points(ax) -> list[PathCollection]:
+    """The scatter plots of an axes (error bars are line collections)."""
+    return [c for c in ax.collections if isinstance(c, PathCollection)]
 
 
 def test_ledger_totals_are_the_budget_after_each_row(svc, spec):
