@@ -29,6 +29,7 @@ def _make_step(
     lr=0.0,
     clipping="abadi",
     draw_ahead=False,
+    padded_rows=None,
 ) -> PrivateStep:
     return PrivateStep(
         model,
@@ -43,6 +44,7 @@ def _make_step(
         optimizer=SGD(model.parameters(), lr=lr),
         noise=stream or SecureStream(),
         draw_ahead=draw_ahead,
+        padded_rows=padded_rows,
     )
 
 

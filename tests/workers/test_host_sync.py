@@ -84,10 +84,13 @@ def syncs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
             yield seen
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("function", ["abadi", "auto_s", "auto_v"])
 @pytest.mark.parametrize("style", ["all_layer", "layer_wise", "group"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_steady_step_syncs_nothing(name, style, function, make_step, monkeypatch) -> None:
+def test_a_steady_step_syncs_nothing(name, style, function, padded, make_step, monkeypatch) -> None:
+    """No synchronisation, also with micro-batches padded and C_t written to the device, as a
+    GPU trial runs (``workers.dp.graphed``)."""
     shape, classes, batch = MODELS[name]
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=name), shape, classes)
@@ -106,6 +109,7 @@ def test_a_steady_step_syncs_nothing(name, style, function, make_step, monkeypat
         clipper=clipped_grad_sum,
         clipping=function,
         lr=0.01,
+        padded_rows=batch if padded else None,
     )
     step.step([(x, y)], 0)  # warm-up
     with syncs(monkeypatch) as seen:

@@ -34,9 +34,10 @@ only the finished sum); a draw left over when training stops is never used.
 No host synchronisation: norms stay on the model's device, and with a fixed threshold nothing
 leaves it during a step (``tests/workers/test_host_sync.py``); a rule that looks at the norms
 takes them to the host once, after the optimizer step (:mod:`workers.dp.adaptive`). Given
-``padded_rows``, every micro-batch is padded to that many rows, and on a GPU a fixed threshold's
-clipper calls replay one CUDA graph (:mod:`workers.dp.graphed`); the noise is then put in the
-buffer before the first call, since a recorded call cannot draw it.
+``padded_rows``, every micro-batch is padded to that many rows, the step's C_t is written to
+the device before its first call, and on a GPU the clipper calls replay one CUDA graph
+(:mod:`workers.dp.graphed`); the noise is then put in the buffer before the first call, since a
+recorded call cannot draw it.
 """
 
 from __future__ import annotations
@@ -150,9 +151,21 @@ class PrivateStep:
         #: whether the child is drawing the next step's noise
         self.drawing = False
         #: whether clipper calls replay a CUDA graph (see the module)
-        self.graphed = padded_rows is not None and device.type == "cuda" and _fixed(rule)
+        self.graphed = padded_rows is not None and device.type == "cuda"
+        #: with ``padded_rows``, C_t and 1/C_t on the device, written before each step, and the
+        #: trial's one clip-factor function, which reads them at each call (what a recorded
+        #: call reads is then the step's threshold, whatever the rule)
+        self.constants: tuple[Tensor, Tensor] | None = None
+        self.coef_fn: CoefFn | None = None
         if padded_rows is not None:
             self.clipper = Padded(clipper, padded_rows, graph=self.graphed)
+            self.constants = (
+                torch.zeros((), dtype=torch.float64, device=device),
+                torch.zeros((), dtype=torch.float64, device=device),
+            )
+            self.coef_fn = coefficient_fn(
+                clipping, self.constants[0], len(groups), gamma, self.constants[1]
+            )
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -172,9 +185,7 @@ class PrivateStep:
         # σ_T·z is drawn straight into the buffer (ahead, or when the first sum is due), the
         # clipper adds each clipped sum, its factors divided by C_t, into it as soon as it is
         # formed, and the total is scaled by C_t/B once (see the module).
-        coef_fn = coefficient_fn(
-            self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
-        )
+        coef_fn = self._coef_fn(threshold)
         out = _AfterDraw(self.views, self._noise)
         if self.graphed:
             out.settle()
@@ -193,6 +204,16 @@ class PrivateStep:
         if len(norms) == 1:
             return norms[0]
         return torch.cat(norms) if norms else torch.zeros(0, device=self.flat.device)
+
+    def _coef_fn(self, threshold: float) -> CoefFn:
+        """The clip factors at C_t = ``threshold``, divided by it (see the module)."""
+        if self.constants is None or self.coef_fn is None:
+            return coefficient_fn(
+                self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
+            )
+        self.constants[0].fill_(threshold)  # a launch with the value as its argument: no sync
+        self.constants[1].fill_(1 / threshold)
+        return self.coef_fn
 
     def _noise(self) -> None:
         """Put this step's noise σ_T·z in ``flat``: the child's draw (asked for now if it was
@@ -220,9 +241,3 @@ class PrivateStep:
             self.ahead.request(self.grad_noise)
             self.drawing = True
         return StepReport(threshold=threshold, batch_size=len(norms))
-
-
-def _fixed(rule: ThresholdRule) -> bool:
-    """Whether the rule keeps its threshold for the whole trial (the base rule does; its
-    subclasses adapt it)."""
-    return type(rule) is ThresholdRule
