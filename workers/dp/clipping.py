@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -88,20 +87,17 @@ def _prefix_groups(names: list[str], spec: Sequence[Sequence[str]]) -> list[list
     return groups
 
 
-Constant = TypeVar("Constant", float, Tensor)
-
-
-def group_thresholds(threshold: Constant, num_groups: int) -> Constant:
+def group_thresholds(threshold: float, num_groups: int) -> float:
     """R_m = R/√M (paper 002, eq. 4), so the total sensitivity stays R."""
     return threshold / math.sqrt(num_groups)
 
 
 def coefficient_fn(
     function: ClippingFunction,
-    threshold: float | Tensor,
+    threshold: float,
     num_groups: int,
     gamma: float = 0.01,
-    scale: float | Tensor = 1.0,
+    scale: float = 1.0,
 ) -> CoefFn:
     """The per-sample, per-group clip factor C(g; R_m) as a function of norms [B, k], elementwise,
     times ``scale`` (the engine's 1/R: its contributions have norm ≤ 1, in units of the clip
@@ -111,21 +107,29 @@ def coefficient_fn(
     ``abadi``: min(1, R_m/‖g‖) (Abadi et al. 2016). ``auto_s``: R_m/(‖g‖ + γ) and ``auto_v``:
     R_m/‖g‖ (paper 003, automatic clipping); each keeps ‖C·g‖ ≤ R_m, so the sensitivity bound is
     the same for all three. A zero gradient gets factor 0 under AUTO-V (any finite value would do).
-
-    ``threshold`` and ``scale`` may be float64 0-dim tensors on the norms' device, read at each
-    call: the engine writes a step's C_t there, and one function serves every step, so that a
-    call replayed from a CUDA graph (:mod:`workers.dp.graphed`) reads the step's threshold.
     """
+    r = group_thresholds(threshold, num_groups)
+    return factor_fn(function, r, scale, r * scale, gamma)
 
-    def r() -> float | Tensor:
-        return group_thresholds(threshold, num_groups)
 
+def factor_fn(
+    function: ClippingFunction,
+    r: float | Tensor,
+    scale: float | Tensor,
+    product: float | Tensor,
+    gamma: float = 0.01,
+) -> CoefFn:
+    """:func:`coefficient_fn` from its constants R_m, ``scale`` and their ``product`` (each
+    rounded to float32 once, as a number is when an operation meets a float32 tensor). They may
+    be float32 0-dim tensors on the norms' device, read at each call: the engine writes a step's
+    there, and one function serves every step, so that a call replayed from a CUDA graph
+    (:mod:`workers.dp.graphed`) reads the step's threshold."""
     if function == "abadi":
-        return lambda norms: (r() / norms).clamp(max=1.0) * scale
+        return lambda norms: (r / norms).clamp(max=1.0) * scale
     if function == "auto_s":
-        return lambda norms: r() * scale / (norms + gamma)
+        return lambda norms: product / (norms + gamma)
     if function == "auto_v":
-        return lambda norms: torch.where(norms > 0, r() * scale / norms, torch.zeros_like(norms))
+        return lambda norms: torch.where(norms > 0, product / norms, torch.zeros_like(norms))
     raise ValueError(f"method.clipping: unknown clipping function {function!r}")
 
 

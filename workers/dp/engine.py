@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from core.config import ClippingFunction
 from workers.dp.adaptive import ThresholdRule
-from workers.dp.clipping import CoefFn, coefficient_fn
+from workers.dp.clipping import CoefFn, coefficient_fn, factor_fn, group_thresholds
 from workers.dp.grads import LossFn
 from workers.dp.graphed import Padded
 from workers.dp.optim import AdamBC, Optimizer
@@ -152,20 +152,15 @@ class PrivateStep:
         self.drawing = False
         #: whether clipper calls replay a CUDA graph (see the module)
         self.graphed = padded_rows is not None and device.type == "cuda"
-        #: with ``padded_rows``, C_t and 1/C_t on the device, written before each step, and the
-        #: trial's one clip-factor function, which reads them at each call (what a recorded
-        #: call reads is then the step's threshold, whatever the rule)
-        self.constants: tuple[Tensor, Tensor] | None = None
+        #: with ``padded_rows``, the clip factors' constants R_m, 1/C_t and R_m/C_t on the
+        #: device, written before each step, and the trial's one clip-factor function, which
+        #: reads them at each call (a recorded call then reads the step's, whatever the rule)
+        self.constants: Tensor | None = None
         self.coef_fn: CoefFn | None = None
         if padded_rows is not None:
             self.clipper = Padded(clipper, padded_rows, graph=self.graphed)
-            self.constants = (
-                torch.zeros((), dtype=torch.float64, device=device),
-                torch.zeros((), dtype=torch.float64, device=device),
-            )
-            self.coef_fn = coefficient_fn(
-                clipping, self.constants[0], len(groups), gamma, self.constants[1]
-            )
+            self.constants = torch.zeros(3, dtype=torch.float32, device=device)
+            self.coef_fn = factor_fn(clipping, *self.constants.unbind(), gamma)
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -211,8 +206,9 @@ class PrivateStep:
             return coefficient_fn(
                 self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
             )
-        self.constants[0].fill_(threshold)  # a launch with the value as its argument: no sync
-        self.constants[1].fill_(1 / threshold)
+        r = group_thresholds(threshold, len(self.groups))
+        for slot, value in enumerate((r, 1 / threshold, r / threshold)):
+            self.constants[slot].fill_(value)  # a launch with the value as argument: no sync
         return self.coef_fn
 
     def _noise(self) -> None:

@@ -18,9 +18,9 @@ A graph replays the same kernels on the same addresses, so :class:`Padded` gives
   n norms are returned. The model must treat examples independently, as DP-SGD requires anyway
   (no batch norm), so the padding changes no real example's gradient.
 - **Fixed addresses.** The engine's gradient buffer is allocated once per trial and parameters
-  are updated in place; the step's threshold C_t is not baked into the kernels but read from a
-  device tensor the engine writes before each step (``workers.dp.clipping.coefficient_fn``), so
-  an adaptive rule's trial is replayed too.
+  are updated in place; the clip factors' constants (the step's threshold C_t in them) are not
+  baked into the kernels but read from device tensors the engine writes before each step
+  (``workers.dp.clipping.factor_fn``), so an adaptive rule's trial is replayed too.
 - **Nothing drawn, nothing synchronised.** The step's noise is in the buffer before the first
   call (the engine settles it), and a step makes no host synchronisation
   (``tests/workers/test_host_sync.py``), which capture would refuse.
