@@ -1,4 +1,5 @@
-"""The dptune client: ``from dptune import Client``. Only httpx, pydantic and rich."""
+"""The dptune client: ``from dptune import Client``. httpx, pydantic and rich, and the typed
+views it shares with the service (``core.views``): no torch, Ray, database or service."""
 
 from dptune.client import Client, Job
 from dptune.errors import (
@@ -10,7 +11,7 @@ from dptune.errors import (
     Refused,
     Unauthorized,
 )
-from dptune.models import Budget, Dataset, JobView, Key, Logs, Plan, Trial
+from dptune.models import Budget, Dataset, JobView, Key, Logs, NewKey, Plan, Trial
 
 __all__ = [
     "ApiError",
@@ -23,6 +24,7 @@ __all__ = [
     "JobView",
     "Key",
     "Logs",
+    "NewKey",
     "NotFound",
     "Overloaded",
     "Plan",

@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel
 
 from dptune.errors import DptuneError, api_error
-from dptune.models import Budget, Dataset, JobView, Key, Logs, Plan, Trial
+from dptune.models import Budget, Dataset, JobView, Key, Logs, NewKey, Plan, Trial
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -102,10 +102,10 @@ class Client:
     def keys(self) -> list[Key]:
         return [Key.model_validate(k) for k in self._json("GET", "/v1/keys")]
 
-    def create_key(self, name: str, role: str, datasets: list[int] | None = None) -> Key:
+    def create_key(self, name: str, role: str, datasets: list[int] | None = None) -> NewKey:
         """A new key; its ``secret`` is shown only here."""
         body = {"name": name, "role": role, "datasets": list(datasets or [])}
-        return Key.model_validate(self._json("POST", "/v1/keys", json=body))
+        return NewKey.model_validate(self._json("POST", "/v1/keys", json=body))
 
     def revoke_key(self, key_id: int) -> None:
         self.request("DELETE", f"/v1/keys/{key_id}")

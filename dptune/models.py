@@ -1,100 +1,82 @@
-"""Typed views of what the service answers. Each allows fields it does not name
-(``extra="allow"``), so a newer service's additions reach the caller instead of breaking the
-client; only what the client and CLI use is named."""
+"""Typed views of what the service answers: the service's own response models
+(:mod:`core.views`), each allowing fields it does not name (``extra="allow"``) so that a newer
+service's additions reach the caller instead of being dropped."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pydantic import ConfigDict
 
-from pydantic import BaseModel, ConfigDict
+from core import views
 
 #: job states after which nothing changes
 FINAL = frozenset({"succeeded", "released", "failed", "cancelled"})
 
-
-class View(BaseModel):
-    model_config = ConfigDict(extra="allow")
+OPEN = ConfigDict(extra="allow")
 
 
-class Progress(View):
-    trials_done: int | None = None
-    trials_total: int | Literal["random"] | None = None
-    best_score: float | None = None
+class Progress(views.Progress):
+    """How far a job is (:class:`core.views.Progress`)."""
+
+    model_config = OPEN
 
 
-class JobView(View):
-    """A job as the key sees it (GET /v1/jobs/{id})."""
+class JobView(views.JobOut):
+    """A job as the key sees it (``GET /v1/jobs/{id}``); ``plan`` is the typed
+    :class:`core.plan.Plan` it was admitted with."""
 
-    id: int
-    dataset: int
-    status: str
-    accounting: str
-    released: bool = False
-    reason: str | None = None
-    error: str | None = None
-    progress: Progress = Progress()
-    plan: dict[str, Any] = {}
+    model_config = OPEN
+    progress: Progress
 
     @property
     def done(self) -> bool:
+        """Whether the job has ended: nothing about it changes any more."""
         return self.status in FINAL
 
 
-class Trial(View):
-    index: int | None = None
-    params: dict[str, Any] = {}
-    score: float | None = None
-    released: bool = False
-    status: str | None = None
+class Trial(views.TrialOut):
+    """One trial of a job (``GET /v1/jobs/{id}/trials``)."""
+
+    model_config = OPEN
 
 
-class Entry(View):
-    id: int
-    kind: str
-    job: int | None = None
-    epsilon: float | None = None
-    note: str = ""
+class Entry(views.EntryOut):
+    """A ledger row as the key sees it."""
+
+    model_config = OPEN
 
 
-class Budget(View):
-    epsilon: float
-    delta: float
-    spent: float
-    reserved: float
-    remaining: float
-    entries: list[Entry] = []
+class Budget(views.BudgetOut):
+    """A dataset's budget and its newest ledger rows (``GET /v1/datasets/{id}/budget``)."""
+
+    model_config = OPEN
+    entries: list[Entry]
 
 
-class Dataset(View):
-    id: int
-    name: str
-    n: int
-    epsilon: float
-    delta: float
+class Dataset(views.DatasetOut):
+    """A dataset (``GET /v1/datasets/{id}``)."""
+
+    model_config = OPEN
 
 
-class Plan(View):
-    """What a job would cost (POST /v1/plans)."""
+class Plan(views.PlanOut):
+    """What a job would cost (``POST /v1/plans``)."""
 
-    dataset: int
-    accounting: str
-    epsilon: float
-    remaining_epsilon: float
-    remaining_epsilon_after: float
-    fits: bool
+    model_config = OPEN
 
 
-class Key(View):
-    id: int
-    name: str
-    role: str
-    datasets: list[int] = []
-    revoked_at: str | None = None
-    secret: str | None = None  # only in the answer that created the key
+class Key(views.KeyOut):
+    """An API key, without its secret (``GET /v1/keys``)."""
+
+    model_config = OPEN
 
 
-class Logs(View):
-    lines: list[str]
-    offset: int
-    total: int
-    next_offset: int
+class NewKey(views.NewKeyOut, Key):
+    """A key just created, with its ``secret`` (shown only in this answer)."""
+
+    model_config = OPEN
+
+
+class Logs(views.LogOut):
+    """A page of a job's driver log (``GET /v1/jobs/{id}/logs``)."""
+
+    model_config = OPEN

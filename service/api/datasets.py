@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from datetime import datetime
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal, Self
 
@@ -31,6 +30,7 @@ from sqlalchemy import Select, delete, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.spec import MAX_ID, Scalar
+from core.views import BudgetOut, DatasetOut, EntryOut, LedgerOut, UploadOut
 from service import ledger, visibility
 from service.api.deps import Caller, Id, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import COMMON, field_error, responses
@@ -88,73 +88,6 @@ class DatasetIn(BaseModel):
         if (self.source == "upload") != (self.format is not None):
             raise ValueError("format: required exactly when source is 'upload'")
         return self
-
-
-class DatasetOut(BaseModel):
-    """What an analyst sees; ``source`` and ``options`` are operator-only."""
-
-    id: int
-    name: str
-    n: int
-    num_classes: int
-    input_shape: list[int]
-    public_validation: bool
-    public: bool = Field(description="public data, a proxy for tuning (`proxy` in a job spec)")
-    awaiting_data: bool = Field(
-        description="announced for upload, its file not received yet (n = 0): no job can use it"
-    )
-    epsilon: float
-    delta: float
-    source: str | None = None
-    options: dict[str, Any] | None = None
-    created_at: datetime | None = None
-
-
-class UploadOut(DatasetOut):
-    """The dataset as registered from its upload, and a receipt of the bytes received (compare
-    ``file_sha256`` with ``sha256sum`` of the file sent)."""
-
-    file_bytes: int
-    file_sha256: str
-
-
-class EntryOut(BaseModel):
-    """A ledger row as the caller sees it (:func:`service.visibility.ledger_entries`)."""
-
-    id: int
-    kind: str
-    reference: str | None
-    job: int | None
-    epsilon: float | None = Field(
-        description="this row's own ε at the dataset's δ "
-        "(null when its δ alone exceeds the dataset's)"
-    )
-    delta: float = Field(description="δ charged by basic composition (Liu–Talwar jobs, caps)")
-    note: str
-    created_at: datetime | None = Field(
-        description="null for analysts on rows of random-"
-        "stopping jobs (lt, ps): their time depends on K"
-    )
-
-
-class BudgetOut(BaseModel):
-    epsilon: float
-    delta: float
-    spent: float
-    reserved: float
-    remaining: float
-    entries: list[EntryOut] = Field(
-        description="the newest ledger rows the caller sees, at most `limit`, oldest first "
-        "(the whole ledger: GET /v1/datasets/{id}/ledger)"
-    )
-    entries_total: int = Field(description="how many ledger rows the caller sees in all")
-
-
-class LedgerOut(BaseModel):
-    entries: list[EntryOut] = Field(description="ledger rows in id order, at most `limit`")
-    next_after: int | None = Field(
-        description="the `after` of the next page; null on the last page"
-    )
 
 
 #: how many ledger rows a response lists

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 from sqlalchemy import select
 
 from core import accounting
 from core.spec import JobSpec
+from core.views import JobOut, TrialOut
 from service import admission, lifecycle, reporting, visibility
 from service.api.deps import (
     Caller,
@@ -34,52 +33,6 @@ from service.orchestration import Inspectable, JobState, Orchestrator, Orchestra
 from service.own_models import plan_with_model
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON)
-
-
-class Progress(BaseModel):
-    """How far a job is. Under random stopping (lt, ps) the total is ``"random"`` and analysts
-    see no count of trials done: the number of trials is not a DP output (invariant 4)."""
-
-    trials_done: int | None
-    trials_total: int | Literal["random"]
-    best_score: float | None  # best DP selection score visible to the caller so far
-
-
-class JobOut(BaseModel):
-    """Under random stopping (lt, ps) an analyst sees no start or end time (they would tell
-    how many trials ran) and the status queued → running → released | failed | cancelled."""
-
-    id: int
-    dataset: int
-    status: str
-    accounting: str
-    plan: dict[str, Any]
-    spec: dict[str, Any]
-    released: bool
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None = None  # operator only: may quote private data
-    #: why the job is queued, waits or failed: to operators in full (the cluster's message,
-    #: the error); to analysts only reasons fixed before the job started (:func:`reason`)
-    reason: str | None = None
-    progress: Progress
-    dashboard_url: str | None = None  # operator only
-
-
-class TrialOut(BaseModel):
-    """Fields that are ``null`` are withheld from analysts (not DP outputs)."""
-
-    index: int | None
-    params: dict[str, Any]
-    score: float | None
-    metrics: list[dict[str, Any]]
-    thresholds: list[float] | None  # per-step thresholds of an adaptive rule (DP outputs)
-    released: bool
-    status: str | None = None
-    steps: int | None = None
-    attempts: list[dict[str, Any]] | None = None
-    epsilon: float | None = None  # what this trial's attempts cost, at the dataset's δ
 
 
 class ModelFile(FileResponse):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Literal, Self
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
@@ -10,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 
 from core.spec import MAX_ID, Text
+from core.views import KeyOut, NewKeyOut
 from service.api.deps import Id, Operator, SessionDep
 from service.api.errors import COMMON, field_error, responses
 from service.api.listing import COUNTED, Page, page
@@ -35,24 +35,10 @@ class KeyIn(BaseModel):
         return self
 
 
-class KeyOut(BaseModel):
-    id: int
-    name: str
-    role: str
-    datasets: list[int]
-    created_at: datetime
-    bootstrap: bool = Field(description="made by the service at start (DPTUNE_OPERATOR_KEY)")
-    revoked_at: datetime | None = Field(description="null while the key is valid")
-
-
 class KeysQuery(Page):
     status: Literal["active", "revoked"] | None = None
     role: Literal["operator", "analyst"] | None = None
     dataset: int | None = Field(None, ge=1, le=MAX_ID, description="keys scoped to this dataset")
-
-
-class NewKeyOut(KeyOut):
-    secret: str = Field(description="The key itself. Shown only in this response.")
 
 
 def _out(key: ApiKey) -> dict:

@@ -6,25 +6,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from pydantic import BaseModel
 
 from core.spec import MAX_ID
+from core.views import LogOut
 from service.api.deps import Id, Operator, OrchestratorDep, SessionDep, visible_job
 from service.api.errors import COMMON, responses
 from service.orchestration import Inspectable, OrchestratorUnavailable
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON)
-
-
-class LogOut(BaseModel):
-    """Lines ``offset`` to ``offset + len(lines)`` of the job's driver log (counted from 0),
-    of ``total`` lines so far. ``next_offset`` is where the next page starts: the log of a
-    job still running grows, so asking there again later returns what it printed since."""
-
-    lines: list[str]
-    offset: int
-    total: int
-    next_offset: int
 
 
 @router.get("/{job_id}/logs", responses=responses(403, 404, 503))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from core.plan import Plan
 from core.spec import JobSpec
+from core.views import PlanOut
 from service import ledger
 from service.api.deps import Caller, SessionDep, SettingsDep, job_dataset
 from service.api.errors import COMMON, responses
@@ -13,13 +13,6 @@ from service.api.shedding import RESPONSES as SHED
 from service.own_models import plan_with_model
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=COMMON)
-
-
-class PlanOut(Plan):
-    dataset: int
-    remaining_epsilon: float  # the dataset's remaining ε now ...
-    remaining_epsilon_after: float  # ... and once this job is reserved
-    fits: bool
 
 
 @router.post("", responses=responses(404) | SHED)

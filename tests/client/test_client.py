@@ -37,7 +37,7 @@ def test_plan_submit_list_show_cancel(op, dataset, job_spec) -> None:
     assert op.budget(dataset).reserved == pytest.approx(plan.epsilon)
     assert [j.id for j in op.jobs(status="queued", dataset=dataset)] == [job.id]
     assert op.jobs(status="released") == []
-    assert op.job(job.id).view.plan["epsilon"] == plan.epsilon
+    assert op.job(job.id).view.plan.epsilon == plan.epsilon
     assert job.refresh().id == job.id and job.trials() == []
     assert job.cancel().status == "cancelled"
     assert job.wait(progress=True, timeout=5, poll_s=0.01).status == "cancelled"
