@@ -81,6 +81,11 @@ class TrialOut(BaseModel):
     epsilon: float | None = Field(
         None, description="what this trial's attempts cost, at the dataset's δ"
     )
+    score_std: float | None = Field(
+        None,
+        description="the standard deviation of the noise released with a private score "
+        "(the plan's `score_std`): scores closer than a few of it are a draw",
+    )
 
 
 class DatasetOut(BaseModel):

@@ -76,6 +76,7 @@ class TrialView:
     steps: int | None = None
     attempts: list[dict[str, Any]] | None = None
     epsilon: float | None = None
+    score_std: float | None = None
 
 
 def shown(value: Any, depth: int = 0) -> Any:
@@ -289,9 +290,17 @@ def trials(job: Job, caller: Principal) -> list[TrialView]:
             ),
             thresholds=t.thresholds,
             released=t.id == released,
+            score_std=_score_std(job, t),
         )
         for t in _shown_trials(job, caller, _outcome_shown(job, caller))
     ]
+
+
+def _score_std(job: Job, trial: Trial) -> float | None:
+    """The standard deviation of the release noise in a trial's private score (the plan's:
+    it depends on the spec and the dataset's registered size alone)."""
+    std = job.plan.get("score_std")
+    return std if trial.score is not None and isinstance(std, float) else None
 
 
 def _operator_trials(job: Job) -> list[TrialView]:
@@ -315,6 +324,7 @@ def _operator_trials(job: Job) -> list[TrialView]:
             status=t.status,
             steps=t.steps,
             epsilon=epsilon(t),
+            score_std=_score_std(job, t),
             attempts=[
                 {
                     "number": a.number,

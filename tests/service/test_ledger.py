@@ -181,6 +181,7 @@ def test_trials_and_model_visibility(api, dataset, ana, spec, session, settings,
                 "steps": None,
                 "attempts": None,
                 "epsilon": None,
+                "score_std": session.get(Job, jid).plan["score_std"],  # the plan's, whatever K
             }
         ]
     full = c.get(f"/v1/jobs/{jid}/trials", headers=api.operator).json()

@@ -213,8 +213,10 @@ def test_analyst_view_does_not_depend_on_k(fresh, spec):
             "steps": None,
             "attempts": None,
             "epsilon": None,
+            "score_std": final["job"]["plan"]["score_std"],  # the plan's, whatever K
         }
     ]
+    assert final["job"]["plan"]["score_std"] > 0
     assert final["model"][0] == 200 and "last-modified" not in final["model"][2]
     assert [(e["kind"], e["created_at"]) for e in final["budget"]["entries"]] == [
         ("reservation", None),

@@ -177,6 +177,9 @@ def test_report_draws_the_trials_and_ledger_the_caller_sees(svc, spec):
     plan = svc.client.get(f"/v1/jobs/{job_id}", headers=analyst).json()["plan"]
     n = svc.client.get(f"/v1/datasets/{svc.dataset}", headers=analyst).json()["n"]
     assert report.score_std == plan["score_std"] == pytest.approx(20.0 / (0.1 * n))
+    for role in ("operator", "analyst"):  # every trial view carries it
+        trials = svc.client.get(f"/v1/jobs/{job_id}/trials", headers=svc.headers(role)).json()
+        assert [t["score_std"] for t in trials] == [plan["score_std"]] * 3
     [bars] = lr.containers
     segments = bars.lines[2][0].get_segments()
     ends = [end for s in segments for end in (s[0][1], s[1][1])]
