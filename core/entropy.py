@@ -7,9 +7,8 @@ Two ways to make them, both AES-128 in counter mode under a fresh 128-bit key fr
   that need numpy's API (integers, uniforms, Bernoulli indicators, choices);
 - :class:`Keystream`: the cipher's raw keystream from OpenSSL (through ``cryptography``), for
   bulk draws — the Gaussian noise of every private step. OpenSSL's AES-CTR runs several
-  blocks at once with AES-NI (VAES where the CPU has it) and releases the GIL: 2.5× the bytes
-  per second of ``randomgen``'s on the reference machine, which holds the GIL while it fills
-  (``bench/noise_cost.py``).
+  blocks at once with AES-NI (VAES where the CPU has it) and releases the GIL, where
+  ``randomgen``'s holds the GIL while it fills (their speeds: ``bench/noise_cost.py``).
 
 Why these generators, and how the engine draws from them: :mod:`workers.dp.randomness`. This
 module lives here, without torch, because the tuning job's driver draws from

@@ -153,8 +153,8 @@ class Progress:
     """An attempt's progress for the control plane, batched: epochs' metric rows are sent with
     the steps run so far at the first epoch, then at most every ``every_s`` seconds, and what
     is left by :meth:`flush` before the attempt ends. Each call is a write the control plane
-    commits (10–13 ms on the 2-core reference machine): one an epoch took 12–15 % of a
-    16-epoch trial of about 1.2 s (the README walk-through's)."""
+    commits, milliseconds each: one an epoch would be a sizeable share of a short trial's
+    time."""
 
     def __init__(self, api: ControlPlane, attempt: int, every_s: float = PROGRESS_EVERY_S) -> None:
         self.api, self.attempt, self.every_s = api, attempt, every_s

@@ -64,8 +64,8 @@ def rdp_curve(sample_rate: float, noise_multiplier: float, steps: int) -> np.nda
 @functools.lru_cache(maxsize=256)
 def _step_curve(q: float, sigma: float) -> np.ndarray:
     """One step's curve, read-only and memoized: dp-accounting's series at 156 orders take
-    30–50 ms, which each trial paid again as it ended (for its ε), though a job's trials of
-    one shape share q and σ: a third of the gap between two trials in one process."""
+    tens of milliseconds, which each trial would pay again as it ends (for its ε), though a
+    job's trials of one shape share q and σ."""
     step = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
     curve: np.ndarray = np.minimum(_accountant_curve(step), gaussian_rdp(sigma))
     curve.setflags(write=False)
