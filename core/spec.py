@@ -378,7 +378,10 @@ class JobSpec(Strict):
     )
     model: ModelConfig = Field(description="The model each trial trains.")
     method: MethodConfig = Field(
-        default_factory=MethodConfig, description="How per-example gradients are clipped."
+        default_factory=MethodConfig,
+        description="How per-example gradients are clipped. Left out (and no `method.*` or "
+        "`optimizer.name` searched): the method that wins untuned for the optimizer, AUTO-S "
+        "with SGD and DC-SGD-E with the Adam family; the plan's `defaults` says which.",
     )
     optimizer: OptimizerConfig = Field(
         default_factory=OptimizerConfig,

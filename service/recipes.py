@@ -1,4 +1,4 @@
-"""Defaults for what a job spec leaves out: batch size, epochs and the learning rate.
+"""Defaults for what a job spec leaves out: the method, batch size, epochs and the learning rate.
 
 What matters most for DP-SGD at a fixed ε is the batch size, the number of steps (hence σ) and
 the learning rate, and the literature agrees on the first two:
@@ -13,10 +13,16 @@ the learning rate, and the literature agrees on the first two:
 - *The learning rate, matched to the clipping.* With automatic clipping (AUTO-S/AUTO-V,
   Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
   Stronger", NeurIPS 2023, paper 003) every per-example gradient is normalized, so the
-  threshold drops out and the learning rate is the only knob; with Abadi clipping the update
-  is at most the threshold C in norm, so the learning rate is scaled by 1/C. The values are
-  the best of a sweep of single runs (cnn on digits at ε = 2 with the batch and epochs above)
-  over Adam's 10⁻³ … 3·10⁻², SGD's 0.25 … 8 at C = 1 and AUTO-S's 0.5 … 8.
+  threshold drops out and the learning rate is the only knob, with a recipe of its own; with
+  Abadi clipping the update is at most the threshold C in norm, so the learning rate is scaled
+  by 1/C. The values are the best of sweeps of single runs (cnn at ε = 2 with the batch and
+  epochs above): Adam's 10⁻³ … 3·10⁻² and SGD's 0.25 … 8 at C = 1 on digits, automatic
+  clipping's on digits and mnist1d (docs/results.md).
+- *The method that wins untuned.* A spec that names no method gets the one that scored best
+  in single untuned runs on the bench datasets with its optimizer (docs/results.md): with SGD,
+  AUTO-S (paper 003), whose step has a fixed scale, so one rate serves; with the Adam family,
+  whose step ignores the update's scale, DC-SGD-E (paper 001, Algorithm 4), whose threshold
+  follows the gradients' norms. Neither needs the threshold search that DP-SGD does.
 
 Each default is explained in the plan (``Plan.defaults``).
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from core.config import MethodConfig, OptimizerName
+from core.config import AdaptiveConfig, MethodConfig, OptimizerName
 from core.spec import JobSpec
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
@@ -38,6 +44,15 @@ MIN_EPOCHS, MAX_EPOCHS = 1, 100
 #: learning rate of the Adam family, and of SGD per unit of clipped update
 ADAM_LR = 1e-2
 SGD_LR = 0.5
+#: SGD's learning rate under automatic clipping, whose update is a mean of unit-norm vectors
+AUTO_SGD_LR = 1.4
+#: the rates of the sweep AUTO_SGD_LR was chosen from
+AUTO_SGD_SWEEP = (0.05, 0.1, 0.2, 0.5, 1.0, 1.4, 2.0, 4.0, 8.0)
+#: the method of a spec that names none, by optimizer: SGD's, and the Adam family's
+SGD_METHOD = MethodConfig(clipping="auto_s")
+ADAM_METHOD = MethodConfig(adaptive=AdaptiveConfig(rule="dcsgd_e"))
+#: search dimensions whose candidates the default method was not chosen for
+METHOD_DIMENSIONS = ("method.", "optimizer.name")
 
 
 #: an adaptive rule's release noise, when the spec leaves it out: at least this many times σ
@@ -59,18 +74,33 @@ def epochs(n: int, batch: int) -> float:
 
 def learning_rate(optimizer: OptimizerName, method: MethodConfig) -> float:
     """Adam-family optimizers adapt their step per coordinate, so one rate serves; SGD's step
-    scales with the update's norm: 1 under automatic clipping, at most C under Abadi's."""
+    scales with the update's norm: automatic clipping's has its own rate, Abadi's is at most C
+    (an adaptive rule's initial C₀)."""
     if optimizer != "sgd":
         return ADAM_LR
-    return SGD_LR if method.clipping != "abadi" else SGD_LR / method.threshold
+    return AUTO_SGD_LR if method.clipping != "abadi" else SGD_LR / method.threshold
+
+
+def default_method(optimizer: OptimizerName) -> MethodConfig:
+    """The method that scored best untuned with ``optimizer`` on the bench datasets: under SGD
+    the step is the update's norm times the rate, which automatic clipping fixes (so one rate
+    serves) while an adaptive threshold moves it; the Adam family's step ignores the update's
+    scale, and there DC-SGD-E's threshold, following the gradients' norms, did best."""
+    return SGD_METHOD if optimizer == "sgd" else ADAM_METHOD
 
 
 def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
-    """``spec`` with its missing batch size, epochs and learning rate chosen for a dataset of
-    ``n`` examples, and why each was chosen (spec field → explanation)."""
+    """``spec`` with its missing method, batch size, epochs and learning rate chosen for a
+    dataset of ``n`` examples, and why each was chosen (spec field → explanation)."""
     searched = spec.search_space
     update: dict[str, object] = {}
     why: dict[str, str] = {}
+    method = spec.method
+    if "method" not in spec.model_fields_set and not any(
+        p.startswith(METHOD_DIMENSIONS) for p in searched
+    ):
+        update["method"] = method = default_method(spec.optimizer.name)
+        why["method"] = _method_reason(spec.optimizer.name)
     if spec.batch_size is None and "batch_size" not in searched:
         update["batch_size"] = b = batch_size(n)
         why["batch_size"] = (
@@ -87,9 +117,9 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
-        lr = learning_rate(optimizer.name, spec.method)
+        lr = learning_rate(optimizer.name, method)
         update["optimizer"] = optimizer.model_copy(update={"lr": lr})
-        why["optimizer.lr"] = _lr_reason(lr, optimizer.name, spec.method)
+        why["optimizer.lr"] = _lr_reason(lr, optimizer.name, method)
     return spec.model_copy(update=update), why
 
 
@@ -100,17 +130,35 @@ def _largest_batch(spec: JobSpec, update: dict[str, object]) -> int:
     return int(max(sizes))
 
 
+def _method_reason(optimizer: OptimizerName) -> str:
+    if optimizer == "sgd":
+        return (
+            "AUTO-S ({'clipping': 'auto_s'}, paper 003): automatic clipping needs no threshold, "
+            "and its SGD step has a fixed scale; untuned with SGD it beat DP-SGD at C = 1 and "
+            "DC-SGD-E on digits and mnist1d, except digits at ε = 1 (docs/results.md)."
+        )
+    return (
+        "DC-SGD-E ({'adaptive': {'rule': 'dcsgd_e'}}, paper 001, Algorithm 4): its threshold "
+        f"follows the gradients' norms, so it needs no threshold search, and {optimizer}'s step "
+        "ignores the update's scale; untuned with Adam it beat DP-SGD at C = 1 and automatic "
+        "clipping on digits and mnist1d, except digits at ε = 1 (docs/results.md)."
+    )
+
+
 def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str:
     if optimizer != "sgd":
         return f"{lr:g}: the Adam-family rate that did best in a sweep (service/recipes.py)."
     if method.clipping != "abadi":
+        grid = ", ".join(f"{r:g}" for r in AUTO_SGD_SWEEP)
         return (
             f"{lr:g}: automatic clipping ({method.clipping}) normalizes each per-example "
-            "gradient, so the learning rate is the only knob (paper 003)."
+            "gradient, so the learning rate is the only knob (paper 003); the SGD rate of best "
+            f"mean accuracy over digits and mnist1d in a sweep over {grid} (docs/results.md)."
         )
+    threshold = "C₀" if method.adaptive is not None else "C"
     return (
-        f"{lr:g} = {SGD_LR:g}/C with C = {method.threshold:g}: Abadi clipping bounds the update "
-        "by C, so SGD's rate is scaled by 1/C."
+        f"{lr:g} = {SGD_LR:g}/{threshold} with {threshold} = {method.threshold:g}: Abadi "
+        f"clipping bounds the update by {threshold}, so SGD's rate is scaled by 1/{threshold}."
     )
 
 

@@ -1,0 +1,141 @@
+"""The planner's defaults for a spec's method and learning rate (:mod:`service.recipes`): a spec
+that names no method gets the one that wins untuned, each clipping rule gets its own SGD rate,
+every default is explained in the plan, and whatever a spec names is kept exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from core.config import MethodConfig
+from core.spec import JobSpec
+from service import recipes
+
+from .conftest import make_spec
+
+N = 1294  # digits' private training rows in bench/tuning_accuracy.py
+
+
+def _spec(method: dict[str, Any] | None, optimizer: str = "sgd", **body: Any) -> JobSpec:
+    """A spec leaving out the learning rate (and the method, when ``method`` is None)."""
+    spec = make_spec(1) | {"search_space": {}, "optimizer": {"name": optimizer}} | body
+    if method is None:
+        del spec["method"]
+    else:
+        spec["method"] = method
+    return JobSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "chosen", "named"),
+    [("sgd", {"clipping": "auto_s"}, "AUTO-S")]
+    + [(o, {"adaptive": {"rule": "dcsgd_e"}}, "DC-SGD-E") for o in ("adam", "adamw", "adambc")],
+)
+@pytest.mark.parametrize(
+    "search", [{}, {"optimizer.lr": {"grid": [0.1, 0.3]}}, {"batch_size": {"grid": [32, 64]}}]
+)
+def test_a_spec_naming_no_method_gets_its_optimizers_winner_and_the_plan_says_why(
+    optimizer, chosen, named, search
+):
+    filled, why = recipes.fill(_spec(None, optimizer, search_space=search), N)
+    assert filled.method == MethodConfig.model_validate(chosen)
+    assert filled.method == recipes.default_method(optimizer)
+    assert named in why["method"] and "docs/results.md" in why["method"]
+    if "optimizer.lr" not in search:  # the rate is the filled method's
+        assert filled.optimizer.lr == recipes.learning_rate(optimizer, filled.method)
+
+
+@pytest.mark.parametrize(
+    "search",
+    [
+        {"method.threshold": {"grid": [0.1, 1.0]}},
+        {"method.clipping": {"grid": ["abadi", "auto_s"]}},
+        {"optimizer.name": {"grid": ["sgd", "adam"]}},
+    ],
+)
+def test_a_search_the_default_was_not_chosen_for_keeps_the_base_method(search):
+    """A searched method field or optimizer: the default was measured for neither candidate
+    set, so the contract's base method (DP-SGD) is kept."""
+    spec = _spec(None, search_space=search)
+    filled, why = recipes.fill(spec, N)
+    assert filled.method == spec.method == MethodConfig()
+    assert "method" not in why
+
+
+METHODS = st.fixed_dictionaries(
+    {"clipping": st.sampled_from(["abadi", "auto_s", "auto_v"])},
+    optional={
+        "threshold": st.sampled_from([0.1, 0.5, 1.0, 4.0]),
+        "gamma": st.sampled_from([0.01, 0.1]),
+        "adaptive": st.sampled_from(
+            [{"rule": r} for r in ("dcsgd_p", "dcsgd_e", "andrew", "du")] + [None]
+        ),
+    },
+)
+
+
+@given(method=st.one_of(st.just({}), METHODS), optimizer=st.sampled_from(["sgd", "adam"]))
+def test_a_named_method_is_kept_exactly_and_a_filled_spec_is_not_filled_again(method, optimizer):
+    try:
+        spec = _spec(method, optimizer)
+    except ValidationError:  # a combination the contract refuses: nothing to fill
+        return
+    filled, why = recipes.fill(spec, N)
+    assert filled.method == spec.method and "method" not in why
+    stored = JobSpec.model_validate(filled.model_dump())  # as the job's spec is stored
+    assert recipes.fill(stored, N) == (stored, {})
+
+
+@pytest.mark.parametrize("clipping", ["auto_s", "auto_v"])
+@pytest.mark.parametrize("gamma", [0.01, 0.5])
+def test_automatic_clipping_gets_its_own_sgd_rate(clipping, gamma):
+    filled, why = recipes.fill(_spec({"clipping": clipping, "gamma": gamma, "threshold": 4.0}), N)
+    assert filled.optimizer.lr == recipes.AUTO_SGD_LR  # the threshold drops out (paper 003)
+    grid = ", ".join(f"{r:g}" for r in recipes.AUTO_SGD_SWEEP)
+    assert clipping in why["optimizer.lr"] and grid in why["optimizer.lr"]
+    assert recipes.AUTO_SGD_LR in recipes.AUTO_SGD_SWEEP
+
+
+@pytest.mark.parametrize("threshold", [0.1, 0.5, 1.0, 2.0, 10.0])
+def test_abadi_keeps_its_rate_per_unit_of_threshold(threshold):
+    filled, why = recipes.fill(_spec({"clipping": "abadi", "threshold": threshold}), N)
+    assert filled.optimizer.lr == pytest.approx(recipes.SGD_LR / threshold)
+    assert f"{recipes.SGD_LR:g}/C with C = {threshold:g}" in why["optimizer.lr"]
+    adam, _ = recipes.fill(_spec({"clipping": "abadi", "threshold": threshold}, "adam"), N)
+    assert adam.optimizer.lr == recipes.ADAM_LR
+
+
+@pytest.mark.parametrize("rule", ["dcsgd_p", "dcsgd_e", "andrew", "du"])
+@pytest.mark.parametrize("initial", [0.5, 1.0, 4.0])
+def test_an_adaptive_rule_scales_sgds_rate_by_its_initial_threshold(rule, initial):
+    method = {"threshold": initial, "adaptive": {"rule": rule}}
+    filled, why = recipes.fill(_spec(method), N)
+    assert filled.optimizer.lr == pytest.approx(recipes.SGD_LR / initial)
+    assert f"{recipes.SGD_LR:g}/C₀ with C₀ = {initial:g}" in why["optimizer.lr"]
+
+
+def test_the_plan_endpoint_says_which_method_it_chose(api):
+    dataset = api.register(epsilon=8.0)["id"]
+    body = make_spec(dataset, 2.0) | {"search_space": {}, "optimizer": {"name": "sgd"}}
+    del body["method"]
+    r = api.client.post("/v1/plans", headers=api.operator, json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert "auto_s" in plan["defaults"]["method"]
+    assert plan["defaults"]["optimizer.lr"].startswith(f"{recipes.AUTO_SGD_LR:g}: automatic")
+    adam = body | {"optimizer": {"name": "adam"}}
+    plan = api.client.post("/v1/plans", headers=api.operator, json=adam).json()
+    assert "dcsgd_e" in plan["defaults"]["method"]
+    # DC-SGD-E's histogram is released out of σ (paper 001, Theorem 2): the rule really runs
+    assert "method.adaptive.histogram_noise" in plan["defaults"]
+    assert plan["gradient_noise_multiplier"] > plan["noise_multiplier"]
+    named = api.client.post(
+        "/v1/plans", headers=api.operator, json=adam | {"method": {"clipping": "abadi"}}
+    ).json()
+    assert "method" not in named["defaults"]
+    assert named["gradient_noise_multiplier"] == named["noise_multiplier"]
