@@ -389,7 +389,10 @@ class JobSpec(Strict):
     )
     validation: ValidationConfig = Field(
         default_factory=ValidationConfig,
-        description="Where each trial's DP selection score comes from.",
+        description="Where each trial's DP selection score comes from. Left out: the "
+        "dataset's public split if it has one, else a private hold-out whose score's release "
+        "noise has a small standard deviation at a small share of ε (the plan's `defaults` "
+        "and `score_std` say which).",
     )
     epochs: Epochs | None = Field(
         None,

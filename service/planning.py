@@ -68,6 +68,9 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         )
     proxy = _proxy(spec, dataset, session)
     spec, defaults = recipes.fill(spec, dataset.n)
+    public = all(d.public_validation for d in (dataset, *proxy))
+    spec, validation_default = recipes.fill_validation(spec, dataset.n, public)
+    defaults |= validation_default
     privacy = spec.privacy
     delta, delta_default = _job_delta(privacy, dataset, session)
     if delta > dataset.delta:
@@ -75,7 +78,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     if not DELTA[0] <= delta <= DELTA[1]:
         raise PlanError("privacy.delta", f"{delta:g} is outside [{DELTA[0]:g}, {DELTA[1]:g}]")
     validation = spec.validation
-    if validation.split == "public" and not all(d.public_validation for d in (dataset, *proxy)):
+    if validation.split == "public" and not public:
         raise PlanError(
             "validation.split", "the dataset has no public validation split; use 'private'"
         )

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from core.config import AdaptiveConfig, MethodConfig, OptimizerName
+from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationConfig
 from core.spec import JobSpec
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
@@ -53,6 +53,14 @@ SGD_METHOD = MethodConfig(clipping="auto_s")
 ADAM_METHOD = MethodConfig(adaptive=AdaptiveConfig(rule="dcsgd_e"))
 #: search dimensions whose candidates the default method was not chosen for
 METHOD_DIMENSIONS = ("method.", "optimizer.name")
+
+
+#: a private score's noise when the spec leaves out ``validation`` and the data have no public
+#: split: σ_v = SCORE_STD·f·N, so that the score's release noise σ_v/(f·N) (the score counts
+#: the f·N examples expected held out) has this standard deviation, but never below
+#: VALIDATION_NOISE_MIN, which keeps the score's share of a trial's ε small on small data
+SCORE_STD = 0.02
+VALIDATION_NOISE_MIN = 5.0
 
 
 #: an adaptive rule's release noise, when the spec leaves it out: at least this many times σ
@@ -121,6 +129,30 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         update["optimizer"] = optimizer.model_copy(update={"lr": lr})
         why["optimizer.lr"] = _lr_reason(lr, optimizer.name, method)
     return spec.model_copy(update=update), why
+
+
+def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[str, str]]:
+    """Where the selection score of a spec that leaves out ``validation`` comes from, for a
+    dataset of ``n`` examples: the public split when the data have one (``public``: free);
+    else a private hold-out of the default fraction f, the score released with noise
+    max(VALIDATION_NOISE_MIN, SCORE_STD·f·N) — a standard deviation of SCORE_STD where N is
+    large enough, at a small share of ε either way (the plan's ``score_std`` is the one
+    chosen)."""
+    if "validation" in spec.model_fields_set:
+        return spec, {}
+    if public:
+        why = "public: the dataset's public validation split (it costs no ε)."
+        return spec, {"validation": why}
+    fraction = ValidationConfig.model_fields["fraction"].default
+    noise = max(VALIDATION_NOISE_MIN, SCORE_STD * fraction * n)
+    validation = ValidationConfig(split="private", fraction=fraction, noise=noise)
+    why = (
+        f"private: the dataset has no public validation split; {fraction:g} of its examples "
+        f"held out, the score released with noise {noise:.3g}: a standard deviation of "
+        f"{noise / (fraction * n):.2g} (noise max({VALIDATION_NOISE_MIN:g}, "
+        f"{SCORE_STD:g}·f·N), so that it is small at a small share of ε)."
+    )
+    return spec.model_copy(update={"validation": validation}), {"validation": why}
 
 
 def _largest_batch(spec: JobSpec, update: dict[str, object]) -> int:

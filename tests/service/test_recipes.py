@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -139,3 +140,46 @@ def test_the_plan_endpoint_says_which_method_it_chose(api):
     ).json()
     assert "method" not in named["defaults"]
     assert named["gradient_noise_multiplier"] == named["noise_multiplier"]
+
+
+@pytest.mark.parametrize("n", [60, 1294, 60_000, 10**6])
+def test_a_spec_leaving_out_validation_gets_a_private_score_of_small_std(n) -> None:
+    """No public split: a private hold-out of the default fraction, its noise
+    max(VALIDATION_NOISE_MIN, SCORE_STD·f·N) — std SCORE_STD where N allows, and the plan says
+    which. A public split, when there is one, is used (it is free); a spec's own is kept."""
+    body = make_spec(1)
+    del body["validation"]
+    spec = JobSpec.model_validate(body)
+    filled, why = recipes.fill_validation(spec, n, public=False)
+    validation = filled.validation
+    assert validation.split == "private" and validation.fraction == 0.1
+    std = validation.noise / (validation.fraction * n)
+    assert validation.noise >= recipes.VALIDATION_NOISE_MIN
+    assert (
+        std == pytest.approx(recipes.SCORE_STD) or validation.noise == recipes.VALIDATION_NOISE_MIN
+    )
+    assert f"{std:.2g}" in why["validation"]
+    public, why = recipes.fill_validation(spec, n, public=True)
+    assert public.validation.split == "public" and why["validation"].startswith("public")
+    own = JobSpec.model_validate(make_spec(1))
+    assert recipes.fill_validation(own, n, public=False) == (own, {})
+
+
+def test_the_plan_of_data_without_a_public_split_holds_out_a_private_score(api, settings) -> None:
+    """Through the plan endpoint: a dataset without a public split (an npz file with no
+    validation arrays) and a spec without ``validation``: planned, not refused; the plan's
+    ``score_std`` is the chosen noise's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 4)).astype(np.float32)
+    np.savez(settings.data_path / "plain.npz", x=x, y=rng.integers(0, 3, size=2000))
+    dataset = api.register("plain", source="npz:plain.npz", num_classes=3, epsilon=8.0)
+    assert not dataset["public_validation"]
+    body = make_spec(dataset["id"], 2.0)
+    del body["validation"]
+    r = api.client.post("/v1/plans", headers=api.operator, json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["defaults"]["validation"].startswith("private")
+    noise = max(recipes.VALIDATION_NOISE_MIN, recipes.SCORE_STD * 0.1 * dataset["n"])
+    assert plan["validation_noise"] == pytest.approx(noise)
+    assert plan["score_std"] == pytest.approx(noise / (0.1 * dataset["n"]))
