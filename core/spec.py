@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic import Strict as StrictType
 
 from core.accounting import CAP_DELTA_SHARE, LT_DELTA2_SHARE, LT_DELTA_SHARE
+from core.accounting.tuning import ETA_MIN, checked_eta
 from core.config import (
     DELTA,
     MAX_BATCH,
@@ -286,10 +287,14 @@ class Privacy(Strict):
         le=MAX_TRIALS,
         description="`ps` (required): the expected number of trials, E[K].",
     )
-    eta: Annotated[float, Field(ge=0, le=10)] | Literal["poisson"] | None = Field(
+    eta: (
+        Annotated[float, Field(ge=0, le=10), AfterValidator(checked_eta)]
+        | Literal["poisson"]
+        | None
+    ) = Field(
         None,
         description="`ps` (required): η of the truncated negative binomial (1: geometric, "
-        "0: logarithmic), or `poisson`.",
+        f"0: logarithmic; a positive η at least {ETA_MIN:g}), or `poisson`.",
     )
     max_trials: int | None = Field(
         None,

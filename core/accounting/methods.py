@@ -28,7 +28,15 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from core.accounting import checks, profile
 from core.accounting.charges import Charge, trial_rdp
@@ -37,6 +45,7 @@ from core.accounting.rdp import epsilon_from_rdp, gaussian_rdp
 from core.accounting.tuning import (
     LiuTalwarBound,
     cap_delta,
+    checked_eta,
     liu_talwar,
     ps_epsilon,
     tnb_gamma,
@@ -193,7 +202,7 @@ class PapernotSteinke(_Method):
 
     kind: Literal["ps"] = "ps"
     mean: float = Field(ge=1)
-    eta: float | None = Field(None, ge=0)
+    eta: Annotated[float, AfterValidator(checked_eta)] | None = Field(None, ge=0)
     max_trials: int | None = Field(None, ge=1)
     profile_delta: float | None = Field(None, gt=0, lt=1)
     random_stopping: ClassVar[bool] = True

@@ -106,14 +106,23 @@ def trial_pld(
     return pld
 
 
+#: below this y = η·ln(1/γ), E[K] is taken from its limit at η → 0 (see :func:`tnb_mean`)
+TINY_ETA_LOG = 1e-9
+
+
 def tnb_mean(gamma: float, eta: float) -> float:
     """E[K] = φ′(1) of D_{η,γ} (Papernot–Steinke Def. 1): η(1−γ)/(γ(1−γ^η)), or
-    (1/γ − 1)/ln(1/γ) for η = 0; 1 at γ = 1 (K = 1 always)."""
+    (1/γ − 1)/ln(1/γ) for η = 0; 1 at γ = 1 (K = 1 always).
+
+    With y = η·ln(1/γ), η/(1 − γ^η) = (y/(1 − e^(−y)))/ln(1/γ), and y/(1 − e^(−y)) lies in
+    [1, 1 + y]. Where y < ``TINY_ETA_LOG`` (η = 0, or so small that 1 − γ^η rounds to 0 — a
+    subnormal η) the upper end (1 + y) is taken: E[K] rounded up, never a division by 0."""
     if gamma >= 1:
         return 1.0
-    if eta == 0:
-        return (1 / gamma - 1) / math.log(1 / gamma)
-    return eta * (1 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
+    y = eta * math.log(1 / gamma)
+    if y < TINY_ETA_LOG:
+        return (1 - gamma) * (1 + y) / (gamma * math.log(1 / gamma))
+    return eta * (1 - gamma) / (gamma * -math.expm1(-y))
 
 
 def stopping_slack(profile: TrialProfile, gamma: float) -> float:

@@ -64,6 +64,20 @@ def _ps_shape(eta: float | None) -> float:
     return math.inf if eta is None else checks.at_least("eta", eta, 0.0)
 
 
+#: the smallest positive η of D_{η,γ}: below it 1 − γ^η rounds away (to 0 at a subnormal η),
+#: and with it the tail P[K > cap] that a cap is charged for; D_{η,γ} is within 10⁻⁶ of the
+#: logarithmic distribution (η = 0) there anyway
+ETA_MIN = 1e-6
+
+
+def checked_eta(eta: float) -> float:
+    """η as D_{η,γ} takes it: 0, or at least :data:`ETA_MIN` (a range check at the boundary:
+    an η that floats cannot price is refused, not charged a cap's δ of 0)."""
+    if 0 < eta < ETA_MIN:
+        raise ValueError(f"eta: 0 (logarithmic) or at least {ETA_MIN:g}, got {eta!r}")
+    return eta
+
+
 def tnb_gamma(mean: float, eta: float) -> float:
     """γ of the truncated negative binomial D_{η,γ} with the given mean (Papernot–Steinke
     Def. 1; γ = 1/mean for the geometric η = 1). Bisection by dp-accounting, which returns the

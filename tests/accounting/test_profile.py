@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 from scipy.stats import norm
 
 from core.accounting import (
@@ -29,7 +30,8 @@ from core.accounting.profile import (
     tnb_mean,
     trial_pld,
 )
-from core.accounting.tuning import ps_epsilon, tnb_gamma
+from core.accounting.tuning import ETA_MIN, ps_epsilon, tnb_gamma
+from core.spec import JobSpec
 
 DELTA = 1e-5
 
@@ -334,3 +336,29 @@ def test_the_issues_digits_example() -> None:
     today = method.model_copy(update={"profile_delta": None})
     assert calibrate_noise(q, steps, 4.0, DELTA, today) == pytest.approx(4.25, abs=0.01)
     assert calibrate_noise(q, steps, 4.0, DELTA, method) == pytest.approx(3.19, abs=0.02)
+
+
+@pytest.mark.parametrize("eta", [5e-324, 1e-310, 1e-300, 1e-20, 1e-12, 1e-10, 1e-9, 1e-7])
+@pytest.mark.parametrize("mean", [1.5, 2.0, 10.0])
+def test_the_mean_of_a_tiny_eta_is_its_limit_rounded_up(eta, mean) -> None:
+    """1 − γ^η rounds to 0 at a subnormal η (a division by zero, once a 500 on a plan): E[K]
+    is then the η → 0 limit times (1 + η·ln(1/γ)), which bounds the exact value from above,
+    and continues into the exact formula."""
+    gamma = tnb_gamma(mean, 0.0)
+    limit = (1 - gamma) / (gamma * math.log(1 / gamma))
+    y = eta * math.log(1 / gamma)
+    assert limit <= tnb_mean(gamma, eta) <= limit * (1 + y) * (1 + 1e-15)
+
+
+@pytest.mark.parametrize("eta", [5e-324, 1e-300, 1e-9, 9.99e-7])
+def test_an_eta_floats_cannot_price_is_refused_at_the_boundary(eta) -> None:
+    """Below ETA_MIN the tail P[K > cap] rounded to 0 (5e-324: a cap costing no δ), so such an
+    η is refused by the spec and by the method, naming the field."""
+    assert trials_tail(2.0, 0.0, 5) > 0.04  # the tail of the η = 0 limit
+    with pytest.raises(ValidationError, match="eta"):
+        PapernotSteinke(mean=2.0, eta=eta, max_trials=5)
+    body = {"dataset": 1, "model": {"name": "mlp"}}
+    privacy = {"epsilon": 1.0, "accounting": "ps", "mean": 2.0, "eta": eta}
+    with pytest.raises(ValidationError, match=r"privacy\.eta"):
+        JobSpec.model_validate(body | {"privacy": privacy})
+    assert PapernotSteinke(mean=2.0, eta=ETA_MIN, max_trials=5).tail() > 0.04
