@@ -5,6 +5,7 @@ trial is still recorded, charged and trained on its own."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,10 @@ def test_a_jobs_trials_share_processes_that_read_the_data_once(service, digits, 
             timings
         )
         # read the dataset (load, check, hash) for its first trial only: the others look it up
-        assert all(t["load_s"] < first["load_s"] / 10 for t in later), timings
+        # (their median: one lookup a loaded machine pauses may take a while, a read each would
+        # take as long as the first)
+        if later:
+            assert statistics.median(t["load_s"] for t in later) < first["load_s"] / 10, timings
 
     # each trial still recorded and charged one attempt of its own, before it read data
     trials = service.get(f"/v1/jobs/{job['id']}/trials")
