@@ -31,6 +31,12 @@ class ProxySearch(BaseModel):
     size: int | None = None
 
 
+def score_std(noise: float, fraction: float, size: int) -> float:
+    """The standard deviation of the noise released with a private selection score, σ_v/(f·N):
+    the score is a count over the f·N examples expected held out (``workers.trial``)."""
+    return noise / (fraction * size)
+
+
 def proxy_batch_size(sample_rate: float, size: int) -> int:
     """The batch a shape of sampling rate q = B/N runs on a proxy of ``size`` examples: q·size
     rounded (at least 1), so that with the shape's epochs it runs the same T = epochs/q steps

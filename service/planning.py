@@ -26,7 +26,7 @@ from core import accounting
 from core.accounting import CAP_DELTA_SHARE, LT_DELTA_SHARE
 from core.config import DELTA
 from core.noise import gradient_noise
-from core.plan import Plan, ProxySearch, TrialCount
+from core.plan import Plan, ProxySearch, TrialCount, score_std
 from core.sampling import num_steps
 from core.shapes import Shape, combine, trial_curve
 from core.spec import MAX_TRIALS, JobSpec, Privacy
@@ -106,7 +106,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
         gradient_noise_multiplier=one and one.gradient_noise_multiplier,
         shapes=shapes,
         validation_noise=noise,
-        score_std=noise / (validation.fraction * dataset.n) if noise else None,
+        score_std=score_std(noise, validation.fraction, dataset.n) if noise else None,
         trials=_trial_count(spec, method),
         attempts_reserved=method.trials if isinstance(method, accounting.Rdp) else None,
         trial_epsilon=max(s.trial_epsilon for s in shapes),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationConfig
+from core.plan import score_std
 from core.spec import JobSpec
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
@@ -149,7 +150,7 @@ def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[
     why = (
         f"private: the dataset has no public validation split; {fraction:g} of its examples "
         f"held out, the score released with noise {noise:.3g}: a standard deviation of "
-        f"{noise / (fraction * n):.2g} (noise max({VALIDATION_NOISE_MIN:g}, "
+        f"{score_std(noise, fraction, n):.2g} (noise max({VALIDATION_NOISE_MIN:g}, "
         f"{SCORE_STD:g}·f·N), so that it is small at a small share of ε)."
     )
     return spec.model_copy(update={"validation": validation}), {"validation": why}

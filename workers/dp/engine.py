@@ -155,12 +155,11 @@ class PrivateStep:
         #: with ``padded_rows``, the clip factors' constants R_m, 1/C_t and R_m/C_t on the
         #: device, written before each step, and the trial's one clip-factor function, which
         #: reads them at each call (a recorded call then reads the step's, whatever the rule)
-        self.constants: Tensor | None = None
-        self.coef_fn: CoefFn | None = None
+        self.on_device: tuple[Tensor, CoefFn] | None = None
         if padded_rows is not None:
             self.clipper = Padded(clipper, padded_rows, graph=self.graphed)
-            self.constants = torch.zeros(3, dtype=torch.float32, device=device)
-            self.coef_fn = factor_fn(clipping, *self.constants.unbind(), gamma)
+            constants = torch.zeros(3, dtype=torch.float32, device=device)
+            self.on_device = (constants, factor_fn(clipping, *constants.unbind(), gamma))
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
         sizes = [p.numel() for p in self.params.values()]
@@ -202,14 +201,15 @@ class PrivateStep:
 
     def _coef_fn(self, threshold: float) -> CoefFn:
         """The clip factors at C_t = ``threshold``, divided by it (see the module)."""
-        if self.constants is None or self.coef_fn is None:
+        if self.on_device is None:
             return coefficient_fn(
                 self.clipping, threshold, len(self.groups), self.gamma, 1 / threshold
             )
+        constants, coef_fn = self.on_device
         r = group_thresholds(threshold, len(self.groups))
         for slot, value in enumerate((r, 1 / threshold, r / threshold)):
-            self.constants[slot].fill_(value)  # a launch with the value as argument: no sync
-        return self.coef_fn
+            constants[slot].fill_(value)  # a launch with the value as argument: no sync
+        return coef_fn
 
     def _noise(self) -> None:
         """Put this step's noise σ_T·z in ``flat``: the child's draw (asked for now if it was

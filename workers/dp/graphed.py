@@ -76,8 +76,9 @@ class Padded:
         self.clipper, self.size, self.graph = clipper, size, graph
         self.buffers: _Buffers | None = None
         self.calls = 0
-        self.recorded: torch.cuda.CUDAGraph | None = None
-        self.result: tuple[Tensor, Mapping[str, Tensor]] | None = None
+        #: the recorded call and the outputs each replay rewrites
+        self.recorded: tuple[torch.cuda.CUDAGraph, tuple[Tensor, Mapping[str, Tensor]]] | None
+        self.recorded = None
 
     def __call__(
         self,
@@ -101,9 +102,9 @@ class Padded:
         self.calls += 1
         if not self.graph:
             norms, sums = self.clipper(*call)  # type: ignore[operator]
-        elif self.recorded is not None and self.result is not None:
-            self.recorded.replay()
-            norms, sums = self.result
+        elif self.recorded is not None:
+            graph, (norms, sums) = self.recorded
+            graph.replay()
         elif self.calls <= WARM_UP:
             norms, sums = self._warm_up(call)
         else:
@@ -120,8 +121,9 @@ class Padded:
 
     def _record(self, call: tuple) -> tuple[Tensor, Mapping[str, Tensor]]:
         torch.cuda.synchronize()
-        self.recorded = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.recorded):
-            self.result = self.clipper(*call)  # type: ignore[operator]
-        self.recorded.replay()
-        return self.result
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = self.clipper(*call)  # type: ignore[operator]
+        graph.replay()
+        self.recorded = (graph, result)
+        return result
