@@ -26,11 +26,11 @@ def test_the_dp_step_dispatches_more_operations_than_the_non_private(bench, caps
 
 
 #: the DP step's operations over the non-private step's (issue 43's CPU proxy of kernel launches
-#: on a GPU) at B = 64: resnet18 738 / 207 = 3.57, the transformer 363 / 142 = 2.56 on this
-#: release; regression bounds a little above (the issue's goal is 1.5). resnet18 is counted at
-#: B = 16, where its counts are those of B = 64 (no chunk of its step depends on B below 256),
-#: in a quarter of the time.
-RATIO_BOUNDS = {("resnet18", 16): 3.65, ("transformer", 64): 2.6}
+#: on a GPU): the transformer 200 / 142 = 1.41 at B = 64 (the goal, 1.5, met), resnet18
+#: 537 / 207 = 2.59 (not met: its book-kept convolutions, docs/performance.md); regression
+#: bounds a little above. resnet18 is counted at B = 16, where its counts are those of B = 64
+#: (no chunk of its step depends on B below 256), in a quarter of the time.
+RATIO_BOUNDS = {("resnet18", 16): 2.65, ("transformer", 64): 1.45}
 
 
 @pytest.mark.parametrize(("model", "batch"), RATIO_BOUNDS)

@@ -441,9 +441,10 @@ class TwoDtypes(nn.Module):
 def test_parameters_of_two_dtypes_match_and_convert_factors_once_per_group_and_dtype(
     style_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each group's factors are converted to a kept gradient's dtype once a step, not once per
-    parameter (kernel launches on a GPU), and not at all for float32 ones (the LayerNorm's
-    float64 gradients are kept; the book-kept head scales its output gradients itself)."""
+    """Each group's factors are converted to its instantiated gradients' dtype once a step, not
+    once per parameter (kernel launches on a GPU), and not at all for float32 ones (the
+    LayerNorm's float64 gradients are kept, and so is the head's bias; the book-kept head weight
+    scales its output gradients itself)."""
     converted: list[torch.dtype] = []
     convert = ghost_clipper.factors_as
 
@@ -456,7 +457,8 @@ def test_parameters_of_two_dtypes_match_and_convert_factors_once_per_group_and_d
     x = torch.randn(7, 4, 6, generator=torch.Generator().manual_seed(2))
     check(TwoDtypes(), x, data("dense")[1], style_name)
     kept_float64 = sum(
-        any(n.startswith("norm.") for n in g) for g in style(TwoDtypes(), style_name)
+        any(n.startswith("norm.") or n == "head.bias" for n in g)
+        for g in style(TwoDtypes(), style_name)
     )
     assert converted == [torch.float64] * kept_float64
 

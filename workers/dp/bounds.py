@@ -105,7 +105,9 @@ def _norm_constants(n: int, unit: float = U) -> tuple[float, float]:
 
 def row_norms(rows: Tensor) -> Bound:
     """A bound on ‖x_i‖ of every row x_i = ``rows[i]`` (any shape [B, …], float32 or a lower
-    precision, in memory order: a norm is the same in any order).
+    precision, in memory order: a norm is the same in any order). A clipping group's flat
+    buffer of per-sample gradients (``workers.dp.clipping.FlatRows``) is one such row of D
+    values, its parameters' concatenation: the same analysis with n = D.
 
     Rows of n ≤ ``ONE_LEVEL`` elements take one ``vector_norm`` (``_norm_constants``). Longer ones
     are cut into q blocks of m (``_block``, plus a tail when m does not divide n): block norms r̂_b,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from core.config import ClippingFunction
+from workers.dp.bounds import Bound, row_norms
 
 GroupSpec = str | Sequence[Sequence[str]] | None
 #: The clip factor as a function of group norms, elementwise: a block [B, k] of any k groups'
@@ -167,6 +168,51 @@ def add_clipped_sum(out: Tensor, coef: Tensor, per_sample: Tensor) -> None:
         out.view(-1).addmv_(per_sample.view(len(per_sample), -1).T, coef)
     else:
         out.add_(clipped_sum(coef, per_sample))
+
+
+class FlatRows:
+    """The instantiated per-sample gradients [B, …] of one clipping group's parameters as one
+    buffer [B, D] (one copy, ``torch.cat``), so that the group takes a fixed handful of
+    operations (kernel launches on a GPU) however many tensors it has: one norm bound (``bounds``:
+    ``workers.dp.bounds.row_norms`` over D values, the analysis of one row with n = D), one
+    operation that zeroes the dropped examples' rows, one matrix–vector product for all the
+    clipped sums and one ``torch._foreach_add_`` that adds them into the parameters' buffers
+    (``add_to``). A single tensor is not copied: it is zeroed out of place (the caller's rows
+    are left alone), its sum added by one ``addmv_`` where that can write straight into its
+    buffer."""
+
+    def __init__(self, parts: Sequence[Tensor]) -> None:
+        rows = [in_memory_order(x) for x in parts]
+        #: each tensor's shape in memory order and the permutation back to its own axes
+        self.layout = [(x.shape[1:], order) for x, order in rows]
+        flat = [x.flatten(1) for x, _ in rows]
+        self.owned = len(flat) > 1  # a copy of ours: zeroed in place
+        self.rows = torch.cat(flat, 1) if self.owned else flat[0]
+
+    def bounds(self) -> Bound:
+        return row_norms(self.rows)
+
+    def add_to(self, outs: Sequence[Tensor], coef: Tensor, drop: Tensor) -> None:
+        """Add Σ_i coef[i]·x_i of every tensor into ``outs`` (in the order of ``parts``), the
+        rows where ``drop`` [B] is true zeroed first (``zero_rows``: 0·NaN = NaN); ``coef`` is
+        in the buffer's dtype (``factors_as``)."""
+        mask = drop.view(-1, 1)
+        rows = self.rows.masked_fill_(mask, 0) if self.owned else self.rows.masked_fill(mask, 0)
+        if len(outs) == 1 and _straight(outs[0], rows, self.layout[0][1]):
+            outs[0].view(-1).addmv_(rows.T, coef)
+            return
+        total = torch.mv(rows.T, coef)
+        sizes = [math.prod(shape) for shape, _ in self.layout]
+        pieces = [
+            piece.view(shape).permute(sorted(range(len(order) - 1), key=lambda k: order[k + 1]))
+            for piece, (shape, order) in zip(total.split(sizes), self.layout, strict=True)
+        ]
+        torch._foreach_add_(list(outs), pieces)
+
+
+def _straight(out: Tensor, rows: Tensor, order: list[int]) -> bool:
+    """Whether one tensor's clipped sum can be added by ``addmv_`` straight into ``out``."""
+    return out.dtype == rows.dtype and out.is_contiguous() and order == sorted(order)
 
 
 def in_memory_order(x: Tensor) -> tuple[Tensor, list[int]]:

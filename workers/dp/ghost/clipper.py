@@ -10,26 +10,32 @@ sum is ``aᵀ · diag(C) · ∂L/∂s`` — no second backward pass for any clip
 Groups finish as early as they can (paper 002: layer-wise and group-wise clipping need not hold
 every layer's book-keeping until the backward pass ends). A hook on each layer's output node
 captures ``∂L/∂s`` when the backward pass reaches it; once every parameter of a group has its
-norm, the group's factors are computed, and once every group of a layer is clipped, the layer's
-clipped sums are added into the caller's buffer and its ``a`` and ``∂L/∂s`` dropped. Under
-all-layer clipping the one group is complete only at the end, so everything is held until then
-(Fact 6.1's peak); under layer-wise clipping each layer is finished while the backward pass goes
-on. Layers called several times, and layers whose node the backward pass does not run (the
-first layer: nothing book-kept lies below it), get their ``∂L/∂s`` from the backward pass's
-result at the end.
+norm, the group's factors are computed, its clipped sums added into the caller's buffer and the
+tensors they came from dropped. Under all-layer clipping the one group is complete only at the
+end, so everything is held until then (Fact 6.1's peak); under layer-wise clipping each layer is
+finished while the backward pass goes on. Layers called several times, and layers whose node
+the backward pass does not run (the first layer: nothing book-kept lies below it), get their
+``∂L/∂s`` from the backward pass's result at the end.
 
 Layers whose per-sample gradients are worth holding instead of ``a`` and ``∂L/∂s`` (norm layers,
 convolutions over many positions: see ``LayerRule.keeps_per_sample``) form them from the captured
 ``∂L/∂s`` and drop ``a`` and ``∂L/∂s``. Norms and sums then come from the very same per-sample
 tensors, so they agree in any precision.
 
+A group's instantiated per-sample gradients (kept ones, biases and affine norm parameters, the
+``torch.func`` ones) are clipped together as one flat buffer [B, D]
+(``workers.dp.clipping.FlatRows``): one norm bound, one zeroing of hostile rows, one product for
+all their clipped sums and one operation that adds them into the buffer, a handful of
+operations (kernel launches on a GPU) a group however many tensors it has; large ones
+(``FLAT_ELEMENTS``) and book-kept weights add a bound and a sum each.
+
 Hostile records (docs/design.md, invariant 9): norms are float32 upper bounds
 (``workers.dp.bounds``; ``layers.py`` explains the guard that keeps norms over several positions
 an upper bound on what is summed); an example gets clip factor 0 in a group where its bound is
-not finite, and its rows of a layer's ``a``, ``∂L/∂s``, kept per-sample gradients and
-``torch.func`` gradients are zeroed (``torch.where``: branch-free, no step waits on the host
-to see them) before any product (0·NaN = NaN) when its bound is not finite in any group of that
-layer's parameters.
+not finite, and its rows of the group's per-sample gradients and of a book-kept weight's ``a``
+and ``∂L/∂s`` are zeroed (``masked_fill``: branch-free, no step waits on the host to see them)
+before any product (0·NaN = NaN) for that group. Its bound there covers the very rows (or the
+book-kept tensors) summed, so where it is finite they are finite.
 
 Parameters of any other module (recurrent layers, attention modules using raw parameters, layers
 that share a parameter, modules whose parameters are used without calling them) get exact
@@ -48,7 +54,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +64,7 @@ from torch.func import functional_call, grad, vmap
 
 from workers.dp import bounds
 from workers.dp.bounds import Bound
-from workers.dp.clipping import CoefFn, add_clipped_sum, clip_factors, factors_as, zero_rows
+from workers.dp.clipping import CoefFn, FlatRows, clip_factors, factors_as, zero_rows
 from workers.dp.ghost.layers import RULES, Call, LayerRule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -68,6 +74,10 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 Rows = Callable[..., Tensor]
 #: the most bytes of a layer's book-kept inputs zeroed at once (``_Layer.add_sums``)
 MASK_CHUNK_BYTES = 1 << 19
+#: per-sample gradients of at least this many values a sample are clipped alone (a norm, a
+#: zeroing copy, an ``addmv_``), not copied into their group's flat buffer: that copy of B·n
+#: values would cost a CPU step more than the operations it saves, and double them in memory
+FLAT_ELEMENTS = 1 << 14
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
 #: only when its leading size differs from B (see the module docstring)
@@ -98,6 +108,7 @@ class _Layer:
     order: int = -1  # position of its first call in the forward pass
     inputs: list[Tensor] = field(default_factory=list)
     outputs: list[tuple[GradientEdge, torch.Size, torch.dtype]] = field(default_factory=list)
+    saved: list[object] = field(default_factory=list)  # what its calls' forward left for the rule
     calls: list[Call] = field(default_factory=list)  # book-kept (a, ∂L/∂s), once known
     kept: dict[str, Tensor] | None = None  # or its per-sample gradients instead
 
@@ -105,28 +116,34 @@ class _Layer:
     def names(self) -> list[str]:
         return list(self.params.values())
 
-    def bounds(self) -> dict[str, Bound]:
-        """A bound on the per-sample norm of each of its parameters, by full name."""
-        if self.kept is not None:
-            by_attr = {attr: bounds.row_norms(g) for attr, g in self.kept.items()}
-        else:
-            by_attr = self.rule.norms(self.module, self.calls)
-        return {self.params[attr]: value for attr, value in by_attr.items()}
+    @property
+    def book_kept(self) -> str | None:
+        """The full name of its weight where its sum is book-kept (formed from ``a`` and
+        ``∂L/∂s``, not from per-sample gradients), else None."""
+        return self.params.get("weight") if self.calls and self.rule.has_weight_matrix else None
 
-    def add_sums(self, coef: _Factors, rows: Rows, out: Mapping[str, Tensor]) -> None:
-        """Add the clipped sums of its parameters into ``out``, for factors ``coef`` (both by
-        full name), from its tensors passed through ``rows`` (which zeroes dropped examples).
+    def bounds(self) -> dict[str, Bound]:
+        """A bound on the per-sample norm of its book-kept weight, by full name."""
+        name = self.book_kept
+        return {} if name is None else {name: self.rule.weight_norms(self.module, self.calls)}
+
+    def per_sample(self) -> dict[str, Tensor]:
+        """Its instantiated per-sample gradients [B, *shape] by full name, handed over (dropped
+        here): all its parameters' where it keeps them, else its small ones (biases, affine
+        norm parameters)."""
+        kept = self.kept if self.kept is not None else self.rule.small(self.module, self.calls)
+        self.kept = None
+        return {self.params[attr]: g for attr, g in kept.items()}
+
+    def add_sums(self, coef: Tensor, rows: Rows, out: Tensor) -> None:
+        """Add the clipped sum of its book-kept weight into ``out``, for factors ``coef``, from
+        its tensors passed through ``rows`` (which zeroes dropped examples).
 
         Zeroing copies what it zeroes, so a rank-one layer's book-kept inputs of more than
         ``MASK_CHUNK_BYTES`` (logreg's and the mlp's wide first layer, whose one product is
         otherwise its only transient) are zeroed and summed a slice of examples at a time: a
         clipped sum is a sum over examples. Other layers' own temporaries (patches, positions)
         outweigh the copy, and slicing them would only add operations (kernel launches)."""
-        if self.kept is not None:
-            for attr, g in self.kept.items():
-                name = self.params[attr]
-                add_clipped_sum(out[name], coef.as_dtype(name, g.dtype), rows(g))
-            return
         batch = self.calls[0].grad.shape[0]
         size = sum(c.activation.numel() * c.activation.element_size() for c in self.calls)
         flat = all(c.activation.dim() == 2 for c in self.calls)
@@ -137,39 +154,34 @@ class _Layer:
         )
         for start in range(0, batch, step):
             part = slice(start, start + step)
-            cut: dict[int, Tensor] = {}  # one slice a group: rules see shared factors as one
-            self.rule.add_sums(
+            self.rule.add_weight_sum(
                 self.module,
                 [Call(rows(c.activation, part), rows(c.grad, part)) for c in self.calls],
-                {
-                    attr: cut.setdefault(id(coef[name]), coef[name][part])
-                    for attr, name in self.params.items()
-                },
-                {attr: out[name] for attr, name in self.params.items()},
+                coef[part],
+                out,
             )
 
     def release(self) -> None:
         self.inputs.clear()
+        self.saved.clear()
         self.calls.clear()
         self.kept = None
 
 
-@dataclass
 class _Fallback:
     """The ``torch.func`` per-sample gradients of the parameters no rule handles."""
 
-    grads: dict[str, Tensor]
+    book_kept = None
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.grads)
+    def __init__(self, grads: dict[str, Tensor]) -> None:
+        self.grads, self.names = grads, list(grads)
 
     def bounds(self) -> dict[str, Bound]:
-        return {name: bounds.row_norms(g) for name, g in self.grads.items()}
+        return {}
 
-    def add_sums(self, coef: _Factors, rows: Rows, out: Mapping[str, Tensor]) -> None:
-        for name, g in self.grads.items():
-            add_clipped_sum(out[name], coef.as_dtype(name, g.dtype), rows(g))
+    def per_sample(self) -> dict[str, Tensor]:
+        grads, self.grads = self.grads, {}
+        return grads
 
     def release(self) -> None:
         self.grads.clear()
@@ -177,11 +189,14 @@ class _Fallback:
 
 class _Groups:
     """Clips each group as soon as every unit (a layer, or the fallback) holding its parameters
-    has arrived, and adds each unit's clipped sums into ``out`` as soon as every group of its
-    parameters is clipped, then frees the unit's tensors.
+    has arrived, and adds each clipped sum into ``out`` as soon as its group is clipped, then
+    frees the tensors it came from.
 
-    A unit's norms are taken only once one of its groups is complete: work done earlier would
-    add its transients to the backward pass's peak without freeing anything before the end.
+    A group's instantiated per-sample gradients are clipped together, as one flat buffer
+    (``workers.dp.clipping.FlatRows``); each book-kept weight (a layer's ``a`` and ``∂L/∂s``)
+    adds a bound of its own. A unit's norms are taken only once one of its groups is complete:
+    work done earlier would add its transients to the backward pass's peak without freeing
+    anything before the end.
     """
 
     def __init__(
@@ -193,13 +208,15 @@ class _Groups:
     ) -> None:
         self.group_of, self.coef_fn, self.out = group_of, coef_fn, out
         self.bounds: list[list[Bound]] = [[] for _ in groups]  # by group: norm bounds taken
+        #: by group: its instantiated per-sample gradients by name, by dtype
+        self.rows: list[dict[torch.dtype, dict[str, Tensor]]] = [{} for _ in groups]
         self.norms: dict[int, Tensor] = {}  # by group, once it is clipped: its norms [B]
         self.missing = [len(group) for group in groups]  # parameters whose unit is yet to come
         self.coef: dict[int, Tensor] = {}
         self.converted: dict[tuple[int, torch.dtype], Tensor] = {}  # ``factors``, by dtype
-        self.dropped: dict[tuple[int, ...], Tensor] = {}  # ``_drop``, by set of groups
+        self.dropped: dict[int, Tensor] = {}  # ``_drop``, by group
         self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
-        self.measured: list[_Layer | _Fallback] = []  # norms taken, sums not added yet
+        self.measured: list[_Layer] = []  # book-kept weight measured, its sum not added yet
 
     def _groups(self, unit: _Layer | _Fallback) -> set[int]:
         return {self.group_of[name] for name in unit.names}
@@ -212,21 +229,37 @@ class _Groups:
         if not complete:
             return
         for other in [u for u in self.arrived if self._groups(u) & complete]:
-            for name, bound in other.bounds().items():
-                self.bounds[self.group_of[name]].append(bound)
-            self.arrived.remove(other)
-            self.measured.append(other)
+            self._measure(other)
         for m in complete:
             self._clip(m)
         self.measured = [u for u in self.measured if not self._sum(u)]
 
+    def _measure(self, unit: _Layer | _Fallback) -> None:
+        """Take ``unit``'s book-kept bounds and its instantiated per-sample gradients."""
+        for name, bound in unit.bounds().items():
+            self.bounds[self.group_of[name]].append(bound)
+        for name, g in unit.per_sample().items():
+            self.rows[self.group_of[name]].setdefault(g.dtype, {})[name] = g
+        self.arrived.remove(unit)
+        if unit.book_kept is None:
+            unit.release()
+        else:
+            assert isinstance(unit, _Layer)
+            self.measured.append(unit)
+
     def _clip(self, m: int) -> None:
-        """Group ``m``'s norm bounds (``workers.dp.bounds.group_norms``) and clip factors."""
-        parts = self.bounds[m]
+        """Group ``m``'s norm bounds (``workers.dp.bounds.group_norms``) and clip factors, then
+        the clipped sums of its instantiated per-sample gradients."""
+        flats = [flat for rows in self.rows[m].values() for flat in _flats(rows)]
+        self.rows[m].clear()
+        parts = self.bounds[m] + [flat.bounds() for flat, _ in flats]
         norms = bounds.group_norms(parts)
-        parts.clear()
+        self.bounds[m].clear()
         self.norms[m] = norms
         self.coef[m] = clip_factors(self.coef_fn, norms.unsqueeze(1))[:, 0]
+        for flat, names in flats:
+            coef = self.factors(m, flat.rows.dtype)
+            flat.add_to([self.out[name] for name in names], coef, self._drop(m))
 
     def factors(self, m: int, dtype: torch.dtype) -> Tensor:
         """Group ``m``'s clip factors in ``dtype`` (``factors_as``), converted once a clipper
@@ -237,30 +270,40 @@ class _Groups:
             self.converted[m, dtype] = factors_as(self.coef[m], dtype)
         return self.converted[m, dtype]
 
-    def _sum(self, unit: _Layer | _Fallback) -> bool:
-        """Add ``unit``'s clipped sums to ``out`` if all its groups are clipped."""
-        groups = tuple(sorted(self._groups(unit)))
-        if any(m not in self.coef for m in groups):
+    def _sum(self, unit: _Layer) -> bool:
+        """Add ``unit``'s book-kept weight sum to ``out`` if the weight's group is clipped."""
+        name = unit.book_kept
+        assert name is not None
+        m = self.group_of[name]
+        if m not in self.coef:
             return False
-        drop = self._drop(groups)
-        unit.add_sums(_Factors(self, unit.names), _zeroing(drop), self.out)
+        unit.add_sums(self.coef[m], _zeroing(self._drop(m)), self.out[name])
         unit.release()
         return True
 
-    def _drop(self, groups: tuple[int, ...]) -> Tensor:
-        """Which examples' norm is not finite (NaN included) in some group of ``groups`` [B]
-        (bool), formed once a call for each set of groups a unit spans (under all-layer
-        clipping: once)."""
-        if groups not in self.dropped:
-            finite = [self.norms[m] < math.inf for m in groups]
-            keep = finite[0] if len(finite) == 1 else torch.stack(finite).all(0)
-            self.dropped[groups] = keep.logical_not_()
-        return self.dropped[groups]
+    def _drop(self, m: int) -> Tensor:
+        """Which examples' norm is not finite (NaN included) in group ``m`` [B] (bool), formed
+        once a call: their rows are zeroed before any product for the group (the group's norm
+        bounds the very rows or book-kept tensors summed, so a finite one makes them finite)."""
+        if m not in self.dropped:
+            self.dropped[m] = (self.norms[m] < math.inf).logical_not_()
+        return self.dropped[m]
 
     def done(self) -> Tensor:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
         return torch.stack([self.norms[m] for m in range(len(self.bounds))], 1)
+
+
+def _flats(rows: dict[str, Tensor]) -> list[tuple[FlatRows, list[str]]]:
+    """Per-sample gradients of one dtype by name as flat buffers and their names: one buffer of
+    the small ones, each large one alone (``FLAT_ELEMENTS``)."""
+    large = [name for name, g in rows.items() if math.prod(g.shape[1:]) >= FLAT_ELEMENTS]
+    small = [name for name in rows if name not in large]
+    flats = [(FlatRows([rows[name]]), [name]) for name in large]
+    if small:
+        flats.append((FlatRows([rows[name] for name in small]), small))
+    return flats
 
 
 def _zeroing(drop: Tensor) -> Rows:
@@ -270,28 +313,6 @@ def _zeroing(drop: Tensor) -> Rows:
         return zero_rows(x[part], drop[part])
 
     return rows
-
-
-class _Factors(Mapping[str, Tensor]):
-    """A unit's clip factors by parameter name: float32, as clipped (``coef[name]``), and in a
-    per-sample tensor's dtype (``as_dtype``), converted once a call for each group and dtype,
-    not in ``clipped_sum`` for each parameter: that would be two operations, two kernel
-    launches on a GPU, for every parameter with kept per-sample gradients."""
-
-    def __init__(self, groups: _Groups, names: list[str]) -> None:
-        self._groups, self._names = groups, names
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._groups.coef[self._groups.group_of[name]]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def as_dtype(self, name: str, dtype: torch.dtype) -> Tensor:
-        return self._groups.factors(self._groups.group_of[name], dtype)
 
 
 def _fall_back(module_name: str, module: nn.Module, reason: str) -> None:
@@ -354,6 +375,7 @@ def _record(model: nn.Module, layers: list[_Layer], inputs: Tensor) -> Tensor:
         # The edge is taken before any in-place op on the output, so the gradient read there is
         # ∂L/∂s of this layer's own output.
         layer.outputs.append((get_gradient_edge(output), output.shape, output.dtype))
+        layer.saved.append(layer.rule.saved(x, output))
 
     handles = [
         layer.module.register_forward_hook(
@@ -417,6 +439,7 @@ def _ready(layer: _Layer, calls: list[Call], groups: _Groups) -> None:
     else:
         layer.calls = calls
     layer.inputs.clear()
+    layer.saved.clear()
     groups.add(layer)
 
 
@@ -430,7 +453,7 @@ def _backward(losses: Tensor, layers: list[_Layer], groups: _Groups) -> None:
     def capture(layer: _Layer, output_nr: int, grad_outputs: tuple[Tensor | None, ...]) -> None:
         g = grad_outputs[output_nr]
         if g is not None:
-            _ready(layer, [Call(layer.inputs[0], g)], groups)
+            _ready(layer, [Call(layer.inputs[0], g, layer.saved[0])], groups)
 
     handles = [
         layer.outputs[0][0].node.register_prehook(
@@ -439,13 +462,15 @@ def _backward(losses: Tensor, layers: list[_Layer], groups: _Groups) -> None:
         for layer in hooked
     ]
     recorded = [
-        (layer, x, out)
+        (layer, x, out, saved)
         for layer in rest
-        for x, out in zip(layer.inputs, layer.outputs, strict=True)
+        for x, out, saved in zip(layer.inputs, layer.outputs, layer.saved, strict=True)
     ]
     try:
         grads = (
-            torch.autograd.grad(losses.sum(), [out[0] for _, _, out in recorded], allow_unused=True)
+            torch.autograd.grad(
+                losses.sum(), [out[0] for _, _, out, _ in recorded], allow_unused=True
+            )
             if recorded
             else ()
         )
@@ -453,22 +478,24 @@ def _backward(losses: Tensor, layers: list[_Layer], groups: _Groups) -> None:
         for handle in handles:
             handle.remove()
     calls: dict[str, list[Call]] = {layer.name: [] for layer in rest}
-    for (layer, x, out), g in zip(recorded, grads, strict=True):
-        calls[layer.name].append(_call(x, g, out))
+    for (layer, x, out, saved), g in zip(recorded, grads, strict=True):
+        calls[layer.name].append(_call(x, g, out, saved))
     del recorded, grads
     for layer in rest:
         _ready(layer, calls.pop(layer.name), groups)
     for layer in hooked:
         if layer.inputs:  # its output did not reach the loss: the hook never ran
-            _ready(layer, [_call(layer.inputs[0], None, layer.outputs[0])], groups)
+            _ready(layer, [_call(layer.inputs[0], None, layer.outputs[0], layer.saved[0])], groups)
 
 
-def _call(x: Tensor, g: Tensor | None, out: tuple[GradientEdge, torch.Size, torch.dtype]) -> Call:
+def _call(
+    x: Tensor, g: Tensor | None, out: tuple[GradientEdge, torch.Size, torch.dtype], saved: object
+) -> Call:
     """One call's input and output gradient; zero if its output did not reach the loss."""
     if g is None:
         _, shape, dtype = out
         g = torch.zeros(shape, dtype=dtype, device=x.device)
-    return Call(x, g)
+    return Call(x, g, saved)
 
 
 def _per_sample_grads(

@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from workers.dp import bounds
 from workers.dp.bounds import Bound
-from workers.dp.clipping import add_clipped_sum
 
 # Most float elements a transient tensor (unfolded patches, Gram matrices, instantiated
 # per-sample weight gradients) may hold; larger batches are processed in chunks of samples.
@@ -62,10 +61,12 @@ PerSampleConv = Callable[[Tensor, Tensor, dict[str, tuple], int, torch.Size], Te
 
 @dataclass
 class Call:
-    """One invocation of a module in the forward pass: its input and its output gradient."""
+    """One invocation of a module in the forward pass: its input, its output gradient, and what
+    its forward computed that the rule reuses (``LayerRule.saved``)."""
 
     activation: Tensor
     grad: Tensor
+    saved: Any = None
 
 
 def _chunks(batch: int, per_sample: int) -> list[slice]:
@@ -148,7 +149,7 @@ def _guarded_squares(a: Tensor, g: Tensor, ghost: bool, sum_rows: int) -> Tensor
     squares = _instantiated(
         rows.flatten(0, 1), spread.flatten(), scale, a.shape[-2], sum_rows, unit
     )
-    return squares.view(spread.shape).sum(-1)
+    return _maps_added(squares.view(spread.shape))
 
 
 def _instantiated(
@@ -179,7 +180,12 @@ def _ghost_squares(
     positions, p = g.shape[-2], g.shape[-1]
     kappa = bounds.ghost_guard(d, p, positions, sum_rows, bounds.matmul_unit(g.device))
     sq = gram_a.mul_(g @ g.mT).sum((-2, -1)).clamp_min_(0.0)
-    return torch.addcmul(sq, spread, spread, value=bounds.up32(kappa * scale * scale)).sum(-1)
+    return _maps_added(torch.addcmul(sq, spread, spread, value=bounds.up32(kappa * scale * scale)))
+
+
+def _maps_added(squares: Tensor) -> Tensor:
+    """Squares [b, G] summed over the G maps (an operation only where G > 1)."""
+    return squares.sum(-1) if squares.shape[-1] > 1 else squares.squeeze(-1)
 
 
 def positions_sum(a: Tensor, g: Tensor, coef: Tensor) -> Tensor:
@@ -224,6 +230,16 @@ def _row_size(x: Tensor) -> int:
     return math.prod(x.shape[1:])
 
 
+@functools.cache
+def _one(device: torch.device, dtype: torch.dtype) -> Tensor:
+    return torch.ones(1, device=device, dtype=dtype)
+
+
+def _ones(x: Tensor) -> Tensor:
+    """A 1 of ``x``'s device and dtype, made once (expanded, it is a weight of ones: a view)."""
+    return _one(x.device, x.dtype)
+
+
 def _trainable(module: nn.Module, name: str) -> bool:
     param = getattr(module, name, None)
     return isinstance(param, nn.Parameter) and param.requires_grad
@@ -251,6 +267,11 @@ class LayerRule:
     def small(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
         raise NotImplementedError
 
+    def saved(self, activation: Tensor, output: Tensor) -> Any:
+        """What the module's forward on ``activation`` computed that ``small`` reuses (no
+        operation: references to tensors its output's autograd node holds); None if nothing."""
+        return None
+
     def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
         raise NotImplementedError
 
@@ -271,28 +292,6 @@ class LayerRule:
         if self.has_weight_matrix and _trainable(module, "weight"):
             out["weight"] = self.weight_per_sample(module, call)
         return out
-
-    def norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Bound]:
-        """A bound on the per-sample gradient norm of each trainable parameter, by attribute.
-        The small gradients are summed from the very rows measured here."""
-        out = {k: bounds.row_norms(v) for k, v in self.small(module, calls).items()}
-        if self.has_weight_matrix and _trainable(module, "weight"):
-            out["weight"] = self.weight_norms(module, calls)
-        return out
-
-    def add_sums(
-        self,
-        module: nn.Module,
-        calls: Sequence[Call],
-        coef: dict[str, Tensor],
-        out: dict[str, Tensor],
-    ) -> None:
-        """Add ``Σ_i coef[k][i] · ∂L_i/∂param_k`` into ``out[k]`` for each trainable parameter
-        k, by attribute."""
-        for k, v in self.small(module, calls).items():
-            add_clipped_sum(out[k], coef[k], v)
-        if self.has_weight_matrix and _trainable(module, "weight"):
-            self.add_weight_sum(module, calls, coef["weight"], out["weight"])
 
     def add_weight_sum(
         self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
@@ -339,17 +338,6 @@ class LinearRule(LayerRule):
     def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
         return positions_norms(*self._positions(calls))
 
-    def norms(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Bound]:
-        """Rank one: the bound on ‖g_i‖ serves the bias and the weight, as ``positions_norms``
-        forms the weight's (``bounds.product``)."""
-        if not self._rank_one(calls):
-            return super().norms(module, calls)
-        g_norms = bounds.raised(bounds.row_norms(calls[0].grad))
-        out = {"bias": g_norms} if _trainable(module, "bias") else {}
-        if _trainable(module, "weight"):
-            out["weight"] = bounds.product(bounds.row_norms(calls[0].activation), g_norms)
-        return out
-
     def keeps_per_sample(
         self, module: nn.Module, activation: Tensor, output_shape: torch.Size
     ) -> bool:
@@ -364,23 +352,6 @@ class LinearRule(LayerRule):
 
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         return positions_sum(*self._positions(calls), coef)[0]
-
-    def add_sums(
-        self,
-        module: nn.Module,
-        calls: Sequence[Call],
-        coef: dict[str, Tensor],
-        out: dict[str, Tensor],
-    ) -> None:
-        """Rank one, weight and bias clipped alike: diag(C)·g formed once for both sums (the
-        weight's as in ``add_weight_sum``, the bias's Σ_i C_i·g_i)."""
-        shared = coef.keys() == {"weight", "bias"} and coef["weight"] is coef["bias"]
-        if not (shared and self._straight_into(calls, out["weight"])):
-            super().add_sums(module, calls, coef, out)
-            return
-        scaled = _scaled(calls[0].grad, coef["weight"])
-        out["weight"].addmm_(scaled.T, calls[0].activation)
-        out["bias"].add_(scaled.sum(0))
 
     def add_weight_sum(
         self, module: nn.Module, calls: Sequence[Call], coef: Tensor, out: Tensor
@@ -649,17 +620,22 @@ def _grouped_per_sample(
     x4: Tensor, g4: Tensor, geo: dict[str, tuple], groups: int, weight: torch.Size
 ) -> Tensor:
     """Per-sample weight gradients [B, *weight] of a 2-D convolution from one weight-gradient
-    convolution with the samples as extra groups."""
+    convolution with the samples as extra groups (``torch.nn.grad.conv2d_weight``'s call, the
+    weight it asks for only for its shape: a view of a cached 1, no allocation a step)."""
     b = x4.shape[0]
-    return torch.nn.grad.conv2d_weight(
-        x4.reshape(1, -1, *x4.shape[2:]),
-        (b * weight[0], weight[1], *geo["kernel_size"]),
+    return torch.ops.aten.convolution_backward(
         g4.reshape(1, -1, *g4.shape[2:]),
+        x4.reshape(1, -1, *x4.shape[2:]),
+        _ones(x4).expand(b * weight[0], weight[1], *geo["kernel_size"]),
+        None,
         geo["stride"],
         geo["padding"],
         geo["dilation"],
+        False,
+        [0],
         b * groups,
-    ).view(b, *weight)
+        (False, True, False),
+    )[1].view(b, *weight)
 
 
 def _matmul_per_sample(
@@ -739,6 +715,25 @@ class EmbeddingRule(LayerRule):
             g = torch.where((ids != module.padding_idx).unsqueeze(-1), g, 0)
         return ids, g
 
+    def keeps_per_sample(
+        self, module: nn.Module, activation: Tensor, output_shape: torch.Size
+    ) -> bool:
+        """Keep the per-sample gradients of an embedding with at most as many ids as positions
+        (a position embedding): [V, p] a sample, no more than its output gradients [T, p]."""
+        assert isinstance(module, nn.Embedding)
+        return module.num_embeddings <= _row_size(activation)
+
+    def weight_per_sample(self, module: nn.Module, call: Call) -> Tensor:
+        """Per-sample weight gradients [B, V, p]: each position's output gradient added into
+        its example's row of its id, by one ``index_add_`` (row i·V + id)."""
+        assert isinstance(module, nn.Embedding)
+        ids, g = self._ids_and_grads(module, [call])
+        batch, vocab = len(g), module.num_embeddings
+        first = torch.arange(0, batch * vocab, vocab, device=g.device).unsqueeze(1)
+        rows = g.new_zeros(batch * vocab, g.shape[-1])
+        rows.index_add_(0, (ids + first).flatten(), g.flatten(0, 1))
+        return rows.view(batch, vocab, -1)
+
     def weight_norms(self, module: nn.Module, calls: Sequence[Call]) -> Bound:
         """``positions_norms``' bound with one-hot inputs (‖a_t‖ = 1, so S_i = Σ_t ‖g_t‖), with
         no data-dependent shape (no ``unique``: a host sync on a GPU). With at most as many ids
@@ -811,16 +806,52 @@ class LayerNormRule(LayerRule):
 
 
 class GroupNormRule(LayerRule):
-    """``nn.GroupNorm``: per-channel affine on x̂; sums run over the spatial axes."""
+    """``nn.GroupNorm``: per-channel affine on x̂; per-sample ∂L_i/∂w_c = Σ_t g_{c,t}·x̂_{c,t} and
+    ∂L_i/∂b_c = Σ_t g_{c,t} over the spatial positions t.
+
+    Both come from one call of torch's group-norm backward (``native_group_norm_backward``)
+    on the batch seen as one sample of B·C channels in B·G groups: each group's statistics are
+    those of the same channels of the same example, and the "per-channel" weight and bias
+    gradients it returns are the per-sample ones [B·C]. Its mean and 1/σ [B, G] are those the
+    forward computed (``saved``), read from the output's autograd node, else recomputed."""
+
+    def saved(self, activation: Tensor, output: Tensor) -> Any:
+        """The forward's mean and 1/σ, where its node normalised ``activation``'s values in their
+        own dtype (a contiguous copy of them, say, but not a converted one)."""
+        node = output.grad_fn
+        if type(node).__name__ != "NativeGroupNormBackward0":
+            return None
+        normalised = node._saved_input  # type: ignore[union-attr]
+        if (normalised.shape, normalised.dtype) != (activation.shape, activation.dtype):
+            return None
+        return node._saved_result1, node._saved_result2  # type: ignore[union-attr]
 
     def small(self, module: nn.Module, calls: Sequence[Call]) -> dict[str, Tensor]:
         assert isinstance(module, nn.GroupNorm)
         weight, bias = [], []
         for call in calls:
-            x_hat = F.group_norm(call.activation, module.num_groups, eps=module.eps)
-            spatial = tuple(range(2, call.grad.dim()))
-            weight.append(_sum_over(call.grad * x_hat, spatial))
-            bias.append(_sum_over(call.grad, spatial))
+            x, c, groups = call.activation.contiguous(), module.num_channels, module.num_groups
+            batch, positions = x.shape[0], _row_size(x) // c
+            mean, rstd = (
+                call.saved
+                or torch.ops.aten.native_group_norm(
+                    x, None, None, batch, c, positions, groups, module.eps
+                )[1:]
+            )
+            _, w, b = torch.ops.aten.native_group_norm_backward(
+                call.grad.reshape(1, batch * c, positions),
+                x.reshape(1, batch * c, positions),
+                mean.reshape(1, -1),
+                rstd.reshape(1, -1),
+                _ones(x).expand(batch * c),  # not read (no input gradient asked), but required
+                1,
+                batch * c,
+                positions,
+                batch * groups,
+                [False, True, True],
+            )
+            weight.append(w.view(batch, c))
+            bias.append(b.view(batch, c))
         return _affine(module, weight, bias)
 
 
