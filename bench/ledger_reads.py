@@ -42,6 +42,7 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import httpx
+import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -117,7 +118,7 @@ def fill(sessions: sessionmaker, dataset_id: int, rows: int, seed: int = 0) -> i
         template = session.get(Job, _admit(session, principal, spec, planned))
         lifecycle.apply_state(session, template.id, JobState.CANCELLED)
         reservation = ledger.amount(planned.reservation)
-        trial = ledger.amount(accounting.Charge(rdp=ledger.attempt_rdp(template, {})))
+        trial, first = _attempt_charges(template, reservation)
         written, jobs = 2, 1
         while written < rows - 2 * OPEN_JOBS:
             locked_dataset(session, dataset_id)
@@ -137,7 +138,8 @@ def fill(sessions: sessionmaker, dataset_id: int, rows: int, seed: int = 0) -> i
                 session.flush()
                 ledger.append(session, job, "reservation", f"job:{job.id}:reservation", reservation)
                 for n in range(charges):
-                    ledger.append(session, job, "charge", f"job:{job.id}:{n}", trial)
+                    charge = first if n == 0 else trial
+                    ledger.append(session, job, "charge", f"job:{job.id}:{n}", charge)
                 ledger.settle(session, job)
                 written += 2 + charges
                 jobs += 1
@@ -147,6 +149,18 @@ def fill(sessions: sessionmaker, dataset_id: int, rows: int, seed: int = 0) -> i
             start_attempt(session, job_id, 0, {"optimizer.lr": 0.05})
             jobs += 1
     return jobs
+
+
+def _attempt_charges(job: Job, reservation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An attempt's charge, and a job's first attempt's, as
+    :func:`service.ledger.charge_what_ran` writes them: a job stated by PLD on the ledger's
+    route B is charged its whole pair there with its first attempt, nothing with the others."""
+    charge = ledger.amount(accounting.Charge(rdp=ledger.attempt_rdp(job, {})))
+    half = len(charge) // 2
+    if np.array_equal(reservation[:half], reservation[half:]):
+        return charge, charge
+    later = np.concatenate([charge[:half], np.zeros(half)])
+    return later, np.concatenate([charge[:half], reservation[half:]])
 
 
 def _admit(session: Session, principal: Principal, spec: JobSpec, planned: PlannedJob) -> int:

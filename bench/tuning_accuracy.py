@@ -39,8 +39,14 @@ of DP-SGD at C = 1 whose spec leaves out ``batch_size``, ``epochs`` and ``optimi
 the planner's recipes (``service/recipes.py``); and "proxy": DP-SGD's threshold grid searched
 on a public proxy (the dataset's public validation part, registered with ``public: true``),
 the best candidate then trained once on the private data (``rdp`` only: the product refuses a
-proxy under ``lt``/``ps``). The learning rate is not searched (paper 001 searches it too;
-here it is fixed per dataset). Each method is charged three ways:
+proxy under ``lt``/``ps``); "scaling": DP-SGD at C = 1 with plain SGD, at the recipe's
+batch size and epochs, its learning rate searched over :data:`SCALING_LRS` as the spec's
+``scaling`` runs it (Panda et al., ICML 2024: every
+rate at two cheap privacy levels, then one final run at the rate their best scores
+extrapolate to; ``rdp`` only, as the product allows; its reference, ``--reference scaling``,
+trains each rate alone at the full ε, the full-budget sweep its final rate is compared
+with). Otherwise the learning rate is not searched (paper 001 searches it too; here it is
+fixed per dataset). Each method is charged three ways:
 
 - ``rdp``: a grid search, K = grid size (one-run methods: K = 1);
 - ``lt``: Liu–Talwar random stopping over the same candidates drawn uniformly at random
@@ -101,6 +107,12 @@ from workers.models import build_model  # noqa: E402
 #: paper 001, Table VII: the clipping thresholds C
 THRESHOLDS = [0.1, 0.2, 0.5, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0]
 QUICK_THRESHOLDS = [0.1, 1.0, 10.0]
+#: a scaling job's optimizer and the rates it searches: plain SGD, as Panda et al.'s rule
+#: scales the distance r = lr·T an SGD run travels (Adam's step does not grow with the
+#: gradient's signal, and with it the best rate fell as ε grew: a first run of this bench), over
+#: half-decades from the recipe's SGD rate 0.5/C at C = 1 (``service/recipes.py``) up
+SCALING_SGD = {"name": "sgd"}
+SCALING_LRS = [0.3, 1.0, 3.0]
 ACCOUNTINGS = ("rdp", "lt", "ps")
 TERMINAL = ("released", "succeeded", "failed", "cancelled")
 
@@ -116,6 +128,15 @@ class Method:
     recipe: tuple[str, ...] = ()
     #: search on the dataset's public validation part as the job's public ``proxy`` (rdp only)
     proxy: bool = False
+    #: cheap runs of every candidate at small privacy levels, then one final run at the
+    #: extrapolated learning rate (the spec's ``scaling``, rdp only)
+    scaling: bool = False
+    #: the optimizer's fields this method sets over the dataset's (:data:`DATASETS`)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rdp_only(self) -> bool:
+        return self.proxy or self.scaling
 
     def candidates(self) -> list[dict[str, Any]]:
         """Every point of the search grid (one empty point for a one-run method)."""
@@ -140,6 +161,13 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
             {"clipping": "abadi", "threshold": 1.0}, recipe=("batch_size", "epochs", "optimizer.lr")
         ),
         "proxy": Method({"clipping": "abadi"}, {"method.threshold": thresholds}, proxy=True),
+        "scaling": Method(
+            {"clipping": "abadi", "threshold": 1.0},
+            {"optimizer.lr": SCALING_LRS},
+            recipe=("batch_size", "epochs"),
+            scaling=True,
+            optimizer=SCALING_SGD,
+        ),
     }
 
 
@@ -277,7 +305,7 @@ def job_spec(
         "dataset": dataset,
         "model": setup.model,
         "method": dict(method.method),
-        "optimizer": {"name": "sgd", **setup.optimizer},
+        "optimizer": {"name": "sgd", **setup.optimizer, **method.optimizer},
         "validation": {"split": "public"},
         "epochs": setup.epochs,
         "batch_size": setup.batch_size or n,  # 0: full batch
@@ -293,6 +321,8 @@ def job_spec(
         del holder[name]
     if method.proxy and fixed is None:
         spec["proxy"] = proxy
+    if method.scaling and fixed is None:
+        spec["scaling"] = {}
     kind = "grid" if accounting == "rdp" else "values"
     spec["search_space"] = {path: {kind: values} for path, values in search.items()}
     k = math.prod(len(v) for v in search.values())
@@ -333,6 +363,23 @@ class Run:
     trials: int | None = None
     wall_s: float | None = None
     run_s: float | None = None
+    #: a scaling job's runs, (level, lr, DP score) each, the levels' and the final run's ε, T,
+    #: and the line fitted (the final run's parameters)
+    scaling: dict[str, Any] | None = None
+
+
+def scaling_record(plan: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a scaling job ran and fitted, from its plan and its trials' views."""
+    final = next((t["params"] for t in trials if "scaling.slope" in t["params"]), {})
+    return {
+        "levels": [level["epsilon"] for level in plan["scaling"]["levels"]],
+        "final_epsilon": plan["scaling"]["final"]["epsilon"],
+        "steps": plan["shapes"][-1]["steps"],
+        "runs": [
+            [t["params"]["scaling.level"], t["params"]["optimizer.lr"], t["score"]] for t in trials
+        ],
+        "fit": {k.split(".")[1]: v for k, v in final.items() if k.startswith("scaling.")},
+    }
 
 
 def read_safetensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -453,6 +500,32 @@ def tables(runs: list[Run], names: list[str], epsilons: list[float], seeds: int)
     return "\n".join(lines)
 
 
+def scaling_lines(runs: list[Run]) -> str:
+    """Where each scaling job's final r = lr·T landed against the best r of the full-budget
+    sweep (its reference: every rate alone at the full ε, best by mean test accuracy), per
+    dataset and ε, with the cheap levels' best rates and the fitted line."""
+    ref = reference(runs)
+    lines = []
+    for r in runs:
+        if r.scaling is None or r.fixed is not None or not r.scaling["fit"]:
+            continue
+        steps, fit = r.scaling["steps"], r.scaling["fit"]
+        best = ref.get((r.dataset, r.method, r.epsilon))
+        swept = json.loads(best[1])["optimizer.lr"] * steps if best else math.nan
+        final = r.released.get("optimizer.lr", math.nan) * steps
+        levels = []
+        for level, eps in enumerate(r.scaling["levels"]):
+            scored = [(score, lr) for lv, lr, score in r.scaling["runs"] if lv == level]
+            levels.append(f"ε {eps:.2f}: r {max(scored)[1] * steps:.3g}" if scored else "—")
+        lines.append(
+            f"{r.dataset} ε={r.epsilon:g} seed {r.seed}: {'; '.join(levels)}; "
+            f"fit r = {fit['slope']:.3g}·ε + {fit.get('intercept', 0):.3g} → {fit['r']:.3g} at "
+            f"ε {r.scaling['final_epsilon']:.2f}; final r {final:.3g} (lr {final / steps:.3g}); "
+            f"sweep's best r {swept:.3g}; accuracy {100 * (r.accuracy or 0):.1f}%"
+        )
+    return "\n".join(lines)
+
+
 def plot(runs: list[Run], names: list[str], path: Path) -> None:
     """Accuracy vs ε per method (mean ± std over seeds), one row per dataset and one column per
     accounting; the reference (no tuning cost) as crosses on a dashed line."""
@@ -523,7 +596,7 @@ def plan_runs(args: argparse.Namespace, table: dict[str, Method]) -> list[Run]:
     runs = []
     for dataset, eps, seed in itertools.product(args.datasets, args.epsilons, range(args.seeds)):
         for name in args.methods:
-            kinds = ["rdp"] if table[name].proxy else args.accountings
+            kinds = ["rdp"] if table[name].rdp_only else args.accountings
             runs += [Run(dataset, name, a, eps, seed) for a in kinds if a in args.accountings]
             if name in args.reference:
                 runs += [Run(dataset, name, "rdp", eps, seed, c) for c in table[name].candidates()]
@@ -646,7 +719,10 @@ class Bench:
             run.run_s = finished - started
         run.noise_multiplier = job["plan"].get("noise_multiplier")
         run.trial_epsilon = job["plan"].get("trial_epsilon")
-        run.trials = len(self.client.get(f"/v1/jobs/{run.job}/trials").json())
+        trials = self.client.get(f"/v1/jobs/{run.job}/trials").json()
+        run.trials = len(trials)
+        if job["plan"].get("scaling") is not None:
+            run.scaling = scaling_record(job["plan"], trials)
         if run.status == "released":
             model = self.client.get(f"/v1/jobs/{run.job}/model")
             model.raise_for_status()
@@ -715,6 +791,7 @@ def _copy(group: list[Run]) -> None:
             "trials",
             "wall_s",
             "run_s",
+            "scaling",
         ):
             setattr(run, key, first[key])
 
@@ -787,6 +864,7 @@ def main() -> int:
         runs = [Run(**r) for r in report["runs"]]
         shown = report["args"]
         print(tables(runs, shown["methods"], shown["epsilons"], shown["seeds"]))
+        print(scaling_lines(runs))
         if len(args.replot) > 1:
             args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
         plot(runs, shown["methods"], args.out.with_suffix(".png"))
@@ -858,6 +936,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     save()
     print(tables(runs, args.methods, args.epsilons, args.seeds))
+    print(scaling_lines(runs))
     plot(runs, args.methods, args.out.with_suffix(".png"))
     print(f"{time.time() - started:.0f} s; wrote {args.out.with_suffix('.json')} and .png")
     return 0

@@ -31,6 +31,25 @@ class ProxySearch(BaseModel):
     size: int | None = None
 
 
+class Level(BaseModel):
+    """One privacy level of a scaling job (``core.spec.Scaling``): its runs' σ and ε."""
+
+    epsilon: float  # one run's ε at the job's δ
+    noise_multiplier: float  # σ of each DP-SGD step of its runs
+    trials: int  # runs at this level: every candidate learning rate, or the final run
+
+
+class ScalingPlan(BaseModel):
+    """The privacy levels of a scaling job, whose shapes (``Plan.shapes``) are one per level,
+    the final run's last: the cheap levels in ascending ε, each run by every candidate, and
+    the final run's. The line fitted through the levels' best r = lr·T is the runner's output
+    (the final run's parameters carry it), not the plan's."""
+
+    levels: list[Level]
+    final: Level
+    cheap_epsilon: float  # all cheap runs (every attempt reserved) composed, at the job's δ
+
+
 def score_std(noise: float, fraction: float, size: int) -> float:
     """The standard deviation of the noise released with a private selection score, σ_v/(f·N):
     the score is a count over the f·N examples expected held out (``workers.trial``)."""
@@ -68,9 +87,12 @@ class Plan(BaseModel):
     epsilon: float  # the job's ε ...
     delta: float  # ... at this δ
     method: TuningMethod  # how the trials are charged: kind and parameters
-    #: ps: the bound that states and charges the job: Papernot–Steinke's RDP bound, or the
-    #: privacy-profile bound (an (ε, δ) charge at ``method.profile_delta``), the smaller
-    bound: Literal["rdp", "profile"] | None = None
+    #: the bound that states the job, the smaller: ps: Papernot–Steinke's RDP bound, or the
+    #: privacy-profile bound (an (ε, δ) charge at ``method.profile_delta``); rdp: RDP
+    #: composition, or the PLD of the K-fold composition (an (ε, δ) statement at
+    #: ``method.pld_delta``, one shape only); None for lt, or in a plan made before
+    bound: Literal["rdp", "profile", "pld"] | None = None
     defaults: dict[str, str]  # spec field -> the value the planner filled in, and why
     model: ModelReport | None = None  # an imported model's inspection (service.own_models)
     proxy: ProxySearch | None = None  # the search on a public proxy, if any
+    scaling: ScalingPlan | None = None  # cheap runs at these levels, then one final run

@@ -17,7 +17,11 @@ trials come to their shapes:
 - a search on a public ``proxy``: the one private trial runs the shape the public search chose,
   also independently of the private data, so the same maximum bounds it.
 
-A job that searches neither has one shape: the spec's own B and epochs.
+A job that searches neither has one shape: the spec's own B and epochs. A ``scaling`` job
+(cheap runs at a few privacy levels, then one final run: ``core.spec.Scaling``) has one shape
+per level, all of one (B, epochs), each with its own σ; a run names its level in its
+parameters (``scaling.level``), so that its attempts are charged that level's curve, and each
+level runs as many times as the plan says (:func:`reserved_attempts`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from core.accounting import TrialMechanism
 
 #: the spec fields that set a trial's shape; searchable, each candidate getting its own σ
 SHAPE_PATHS = ("batch_size", "epochs")
+#: a scaling job's run names its level (its shape) under this key (``core.spec.LEVEL``)
+LEVEL_PATH = "scaling.level"
 
 
 class Shape(BaseModel):
@@ -47,6 +53,7 @@ class Shape(BaseModel):
     noise_multiplier: float = Field(gt=0)  # σ of each DP-SGD step
     gradient_noise_multiplier: float = Field(gt=0)  # σ_T left after an adaptive rule's share
     trial_epsilon: float = Field(gt=0)  # one trial of this shape, at the job's δ
+    level: int | None = Field(None, ge=0)  # a scaling job's level (the final run's: the last)
 
     def mechanism(self, validation_noise: float | None) -> TrialMechanism:
         return TrialMechanism(
@@ -58,13 +65,27 @@ class Shape(BaseModel):
 
     def matches(self, params: Mapping[str, Any]) -> bool:
         """Whether a candidate's hyperparameters (search-space path → value) select this shape;
-        a path the candidate leaves out is not searched, so every shape shares it."""
-        return all(params[p] == getattr(self, p) for p in SHAPE_PATHS if p in params)
+        a path the candidate leaves out is not searched, so every shape shares it; a scaling
+        job's run selects its level's shape, and only it."""
+        same = all(params[p] == getattr(self, p) for p in SHAPE_PATHS if p in params)
+        return same and params.get(LEVEL_PATH) == self.level
 
 
 def plan_shapes(plan: Mapping[str, Any]) -> list[Shape]:
     """The shapes of a stored plan (``Plan.shapes``)."""
     return [Shape.model_validate(s) for s in plan["shapes"]]
+
+
+def reserved_attempts(plan: Mapping[str, Any], shape: Shape) -> int:
+    """The attempts a fixed-K plan reserved for trials of ``shape``: an equal share of all of
+    them for a grid of shapes (each runs equally often), or a scaling level's runs, each with
+    the plan's retries (``Plan.scaling``)."""
+    if shape.level is None:
+        return int(plan["attempts_reserved"]) // len(plan["shapes"])
+    per_trial = int(plan["attempts_reserved"]) // int(plan["trials"]["max"])
+    scaling = plan["scaling"]
+    levels = [*scaling["levels"], scaling["final"]]
+    return int(levels[shape.level]["trials"]) * per_trial
 
 
 def shape_of(shapes: Sequence[Shape], params: Mapping[str, Any]) -> Shape:

@@ -28,6 +28,7 @@ from core.accounting import CAP_DELTA_SHARE, LT_DELTA2_SHARE, LT_DELTA_SHARE
 from core.accounting.tuning import ETA_MIN, checked_eta
 from core.config import (
     DELTA,
+    LEARNING_RATE,
     MAX_BATCH,
     DatasetConfig,
     MethodConfig,
@@ -343,6 +344,77 @@ class Privacy(Strict):
         return self
 
 
+#: the searched learning rate of a ``scaling`` job (its only dimension)
+LR = "optimizer.lr"
+#: a run's key in a ``scaling`` job's trial parameters: the index of its level in the plan
+#: (``Plan.scaling``; the final run's is the number of cheap levels); the final run's also
+#: carry the fitted line (:data:`SCALING_FIT`)
+LEVEL = "scaling.level"
+SCALING_FIT = ("scaling.slope", "scaling.r")
+#: cheap levels of a ``scaling`` job whose ``levels`` are left to the planner
+DEFAULT_LEVELS = 2
+#: the share of the job's ε its cheap runs take when ``scaling.share`` is left out
+DEFAULT_SHARE = 0.5
+#: how far past the largest searched learning rate a ``scaling`` job's final run may go
+SCALING_STRETCH = 10.0
+
+
+class Scaling(Strict):
+    """Cheap trials, then one final run (Panda et al., "A New Linear Scaling Rule for Private
+    Adaptive Hyperparameter Optimization", ICML 2024): every learning rate of the search runs
+    at each of a few small privacy levels; at each level the best score gives r* = lr·T, the
+    line r*(ε) = a·ε is fitted (least squares) through the levels, and one final run trains at
+    the ε the budget leaves with lr = a·ε_f/T (:func:`runner.search.final_candidate`). Every
+    run is a fixed mechanism and the final lr is chosen from released DP outputs
+    (post-processing), so the job costs the RDP composition of all its runs, and every run's
+    outputs are shown."""
+
+    levels: (
+        Annotated[
+            list[Annotated[float, StrictType(), Field(gt=0, le=100)]],
+            Field(min_length=2, max_length=4),
+        ]
+        | None
+    ) = Field(
+        None,
+        description="The ε of one cheap run at each level (at the job's δ), ascending, 2 to 4 "
+        "levels; every learning rate runs once at each. Null: "
+        f"{DEFAULT_LEVELS} levels, the second with about twice the first's ε (half its σ), "
+        "placed so that all cheap runs together cost `share` of the job's ε.",
+    )
+    share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Without `levels`: the share of the job's ε (all cheap runs composed, at "
+        f"its δ) the cheap runs take; the final run gets the rest. Null: {DEFAULT_SHARE:g}.",
+    )
+
+    @model_validator(mode="after")
+    def _levels(self) -> Self:
+        if self.levels is not None:
+            if any(b <= a for a, b in itertools.pairwise(self.levels)):
+                raise ValueError(f"scaling.levels: {self.levels} must be strictly ascending")
+            if self.share is not None:
+                raise ValueError("scaling.share: give levels or a share, not both")
+        return self
+
+    @property
+    def level_count(self) -> int:
+        return DEFAULT_LEVELS if self.levels is None else len(self.levels)
+
+
+def lr_range(dim: Dimension) -> tuple[float, float]:
+    """The learning rates a ``scaling`` job's runs may take: from the smallest searched to the
+    largest stretched by :data:`SCALING_STRETCH` (within the optimizer's range). The final
+    run's lr is extrapolated from a line fitted through a few noisy points; the stretch lets
+    it go past the search as far as the rule asks for a final ε a few times the levels', and
+    no further, so that a noisy fit cannot send the one released model to an lr nothing tried
+    came near. Below, the rule itself bounds it (:func:`runner.search.final_candidate`)."""
+    values = [float(v) for v in _endpoints(dim)]
+    return min(values), min(max(values) * SCALING_STRETCH, LEARNING_RATE[1])
+
+
 class Selection(Strict):
     """How the released trial is chosen. The only metric is the DP selection score each trial
     releases (docs/design.md, invariant 5): validation accuracy on the public split, or on the
@@ -450,6 +522,14 @@ class JobSpec(Strict):
         "and classes) to search on: every candidate trains there, for free, and only the best "
         "trains on `dataset`, once, charged as one trial.",
     )
+    scaling: Scaling | None = Field(
+        None,
+        description="`rdp` only, with `optimizer.lr` the only searched field (a `grid`, or "
+        "`log_uniform` with `privacy.trials` draws) and no `proxy`: cheap runs of every "
+        "learning rate at small privacy levels, then one final run, the released one, at the "
+        "ε the budget leaves with the learning rate their best scores extrapolate to "
+        "(Panda et al., ICML 2024). The job is charged every run's curve; every run is shown.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -495,8 +575,33 @@ class JobSpec(Strict):
                 f"search_space.{shaped[0]}: {len(self.shape_grid())} combinations of "
                 f"{' and '.join(shaped)} exceed {MAX_SHAPES} (each gets its own noise)"
             )
-        if self.candidate_count() > MAX_TRIALS:
-            raise ValueError(f"search_space: {self.candidate_count()} trials exceed {MAX_TRIALS}")
+        count = max(self.candidate_count(), self.trial_count())
+        if count > MAX_TRIALS:
+            raise ValueError(f"search_space: {count} trials exceed {MAX_TRIALS}")
+        return self
+
+    @model_validator(mode="after")
+    def _scaling(self) -> Self:
+        """A scaling job searches the learning rate alone, at one fixed shape, under fixed-K
+        accounting: its final run's lr is extrapolated as r/T at that T (Panda et al.'s rule
+        is for lr at a fixed batch size and number of steps)."""
+        if self.scaling is None:
+            return self
+        if self.privacy.accounting != "rdp":
+            raise ValueError(
+                f"scaling: not allowed under {self.privacy.accounting!r}: its runs are a fixed "
+                "number of mechanisms, all released, composed in RDP ('rdp')"
+            )
+        if self.proxy is not None:
+            raise ValueError("proxy: not allowed with scaling, whose cheap runs are private")
+        for path in self.search_space:
+            if path != LR:
+                raise ValueError(f"search_space.{path}: scaling searches {LR} alone")
+        dim = self.search_space.get(LR)
+        if not isinstance(dim, Grid | LogUniform):
+            raise ValueError(
+                f"search_space.{LR}: scaling needs a grid or a log_uniform range of learning rates"
+            )
         return self
 
     def trial_config(
@@ -511,6 +616,8 @@ class JobSpec(Strict):
         trial never calibrates its own noise, so it costs exactly what was reserved."""
         parts = {name: getattr(self, name).model_dump() for name in ("method", "optimizer")}
         for path, value in params.items():
+            if self.scaling is not None and path in (LEVEL, *SCALING_FIT):
+                continue  # the run's level (its σ is its shape's) and the fitted line
             if path not in self.search_space:
                 raise ValueError(f"{path}: not a dimension of the job's search space")
             if path in SHAPES:
@@ -518,7 +625,10 @@ class JobSpec(Strict):
                     raise ValueError(f"{path}: {value} is not the shape's {getattr(shape, path)}")
                 continue
             dim = self.search_space[path]
-            if isinstance(dim, LogUniform):  # exp(U(ln low, ln high)) may round past an end
+            if self.scaling is not None:  # a final lr extrapolated past the search
+                low, high = lr_range(dim)
+                value = min(max(value, low), high)
+            elif isinstance(dim, LogUniform):  # exp(U(ln low, ln high)) may round past an end
                 value = min(max(value, dim.log_uniform[0]), dim.log_uniform[1])
             part, name = path.split(".")
             parts[part][name] = value
@@ -555,7 +665,10 @@ class JobSpec(Strict):
 
     def trial_count(self) -> int:
         """Trials on the private data: every candidate under ``rdp``, the chosen one after a
-        search on a ``proxy``; 1 under ``lt``/``ps`` (K is random)."""
+        search on a ``proxy``, every candidate at each ``scaling`` level and the final run;
+        1 under ``lt``/``ps`` (K is random)."""
+        if self.scaling is not None:
+            return self.candidate_count() * self.scaling.level_count + 1
         return 1 if self.proxy is not None else self.candidate_count()
 
 

@@ -28,11 +28,11 @@ from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 from core.config import DatasetConfig
 from core.entropy import secure_generator
 from core.plan import Plan
-from core.spec import JobSpec
+from core.spec import LEVEL, JobSpec
 from runner import summary
 from runner.client import ControlPlane
-from runner.job import AttemptRecorder, JobContext, param_space, run
-from runner.search import Candidate, candidates
+from runner.job import AttemptRecorder, JobContext, param_space, run, shown_paths
+from runner.search import Candidate, candidates, final_candidate, scaling_candidates
 from runner.settings import RunnerSettings
 from runner.summary import TrialLog, TrialRow, keep_alignment
 
@@ -56,6 +56,9 @@ def _load(
     if plan.method.random_stopping:
         api.start()
         k = plan.method.draw_trials(secure_generator())  # from OS entropy, never a seed
+    elif plan.scaling is not None:  # the cheap runs; the final one follows (:func:`_scale`)
+        cands = scaling_candidates(spec, len(plan.scaling.levels))
+        k = len(cands)
     else:
         cands = candidates(spec.search_space, spec.privacy.trials or 1, spec.seed or 0)
         k = len(cands)
@@ -89,7 +92,7 @@ def progress_reporter(ctx: JobContext) -> CLIReporter:
     hyperparameters — from its config (fixed K) or as the trial reported them once drawn
     (random stopping, :func:`runner.trainable.run_candidate`) — its steps, DP score and ε.
     Printed every 30 s while trials run, and once at the end."""
-    paths = list(ctx.spec.search_space)
+    paths = shown_paths(ctx.spec)
     drawn = ctx.candidates is None
     return DashboardReporter(
         parameter_columns={"trial/index": "trial"}
@@ -128,7 +131,7 @@ def _tune(ctx: JobContext, reuse: bool, proxy: bool = False) -> list[TrialRow]:
         param_space=param_space(ctx),
         tune_config=tune_config(ctx, reuse, proxy),
         run_config=tune.RunConfig(
-            name=f"dptune-job-{ctx.job_id}" + ("-proxy" if proxy else ""),
+            name=f"dptune-job-{ctx.job_id}" + ("-proxy" if proxy else "-final" * bool(ctx.first)),
             storage_path=str(ctx.data_dir / "ray_results"),
             failure_config=tune.FailureConfig(max_failures=retries),
             callbacks=[*loggers, trials] if proxy else [*loggers, AttemptRecorder(ctx), trials],
@@ -171,11 +174,29 @@ def _search_proxy(ctx: JobContext, reuse: bool) -> JobContext:
     return replace(ctx, trials=len(chosen), candidates=chosen)
 
 
+def _scale(ctx: JobContext, reuse: bool) -> tuple[JobContext, list[TrialRow]]:
+    """A scaling job: its cheap runs, then the final run at the learning rate the line fitted
+    through their best scores gives (:func:`runner.search.final_candidate`) — chosen from
+    their released DP scores alone, so it costs nothing beyond the runs. No cheap run
+    finishing leaves no final run."""
+    rows = _tune(ctx, reuse)
+    finished = [(r.params, r.score) for r in rows if r.score is not None]
+    final = final_candidate(ctx.spec, ctx.plan, finished)
+    if final is None:
+        log.warning("scaling: no cheap run finished: no final run")
+        return ctx, rows
+    log.info("scaling: final run %s", final)
+    assert ctx.candidates is not None
+    ctx = replace(ctx, trials=ctx.trials + 1, candidates=[*ctx.candidates, final], first=ctx.trials)
+    return ctx, rows + _tune(ctx, reuse)
+
+
 def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) -> int | None:
     """Upload the best finished trial's weights by its DP selection score (invariant 5; the
-    control plane checks the choice against the scores it recorded) and return its index; the
-    other trials' weights are deleted (not DP outputs anyone should keep)."""
-    best = ctx.spec.selection.best(scores)
+    control plane checks the choice against the scores it recorded) — of a scaling job, its
+    final run's — and return its index; the other trials' weights are deleted (not DP outputs
+    anyone should keep)."""
+    best = ctx.spec.selection.best(_releasable(ctx, scores))
     if best is None:
         log.warning("no trial finished: nothing to release")
         return None
@@ -183,6 +204,15 @@ def _release_best(ctx: JobContext, scores: dict[int, float], api: ControlPlane) 
     for index in scores:
         ctx.weights_path(index).unlink(missing_ok=True)
     return best
+
+
+def _releasable(ctx: JobContext, scores: dict[int, float]) -> dict[int, float]:
+    """The finished trials that may be released: every one, or a scaling job's final run."""
+    scaling = ctx.plan.scaling
+    if scaling is None or ctx.candidates is None:
+        return scores
+    final = len(scaling.levels)
+    return {i: s for i, s in scores.items() if ctx.candidates[i].get(LEVEL) == final}
 
 
 def model_refusal(spec: JobSpec, plan: Plan) -> str | None:
@@ -221,7 +251,10 @@ def run_job(job_id: int, settings: RunnerSettings) -> str:
     if ctx.proxy is not None:
         api.start()  # running while it searches: nothing is charged before a private trial
         ctx = _search_proxy(ctx, settings.reuse_processes)
-    rows = _tune(ctx, settings.reuse_processes) if ctx.trials else []
+    if ctx.plan.scaling is not None:
+        ctx, rows = _scale(ctx, settings.reuse_processes)
+    else:
+        rows = _tune(ctx, settings.reuse_processes) if ctx.trials else []
     best = _release_best(ctx, {r.index: r.score for r in rows if r.score is not None}, api)
     state = "succeeded" if best is None else "released"
     charged = api.end(state)  # the control plane settles the ledger: unused reservation back

@@ -24,7 +24,7 @@ from ray import tune
 from core.config import DatasetConfig, TrialConfig
 from core.plan import Plan
 from core.shapes import shape_of
-from core.spec import JobSpec
+from core.spec import LEVEL, JobSpec
 from runner.client import ControlPlane, ControlPlaneError
 from runner.search import Candidate
 
@@ -51,6 +51,7 @@ class JobContext:
     trials: int
     candidates: list[Candidate] | None
     proxy: DatasetConfig | None = None  # the public dataset a proxy search runs on
+    first: int = 0  # the first trial index this search runs (a scaling job's final run: the last)
 
     @property
     def holds_release(self) -> bool:
@@ -88,9 +89,16 @@ def param_space(ctx: JobContext) -> dict[str, Any]:
     random-stopping trial's config holds only its index: it draws its candidate itself."""
     trials = [
         {"index": i} if ctx.candidates is None else {"index": i, "params": ctx.candidates[i]}
-        for i in range(ctx.trials)
+        for i in range(ctx.first, ctx.trials)
     ]
     return {"trial": tune.grid_search(trials)}
+
+
+def shown_paths(spec: JobSpec) -> list[str]:
+    """The parameters the job's tables show: the searched paths and, for a scaling job, each
+    run's level (every run's config has one; the final run's fitted line is printed after the
+    table, :func:`runner.summary.show`)."""
+    return [*spec.search_space, *([LEVEL] if spec.scaling is not None else [])]
 
 
 def trial_index(config: dict[str, Any]) -> int:

@@ -10,19 +10,34 @@ tuning method draws: ``core.accounting.methods``).
   from OS entropy (:func:`~core.entropy.secure_generator`), never from a seed the analyst
   chose: replaying such a seed would tell which draw the released hyperparameters were, hence
   a lower bound on K.
+- ``scaling`` (fixed K): every candidate learning rate at each cheap privacy level, then one
+  final run whose lr is extrapolated from the levels' best (Panda et al., "A New Linear
+  Scaling Rule for Private Adaptive Hyperparameter Optimization", ICML 2024): the best
+  r = lr·T scales linearly with ε.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from core.entropy import secure_generator
-from core.spec import Choice, Dimension, Grid, LogUniform
+from core.plan import Plan
+from core.spec import (
+    LEVEL,
+    LR,
+    SCALING_FIT,
+    Choice,
+    Dimension,
+    Grid,
+    JobSpec,
+    LogUniform,
+    lr_range,
+)
 
 Candidate = dict[str, Any]
 
@@ -56,3 +71,48 @@ def random_candidate(
     """One candidate of a random-stopping job, drawn from the prior with OS entropy."""
     rng = rng or secure_generator()
     return {path: _draw(dimension, rng) for path, dimension in search_space.items()}
+
+
+def scaling_candidates(spec: JobSpec, levels: int) -> list[Candidate]:
+    """A scaling job's cheap runs (``core.spec.Scaling``): every candidate learning rate (the
+    fixed-K candidates, from the job's seed) at each of ``levels`` privacy levels, level by
+    level; each names its level, whose planned σ it runs with (:mod:`core.shapes`)."""
+    lrs = candidates(spec.search_space, spec.privacy.trials or 1, spec.seed or 0)
+    return [{**c, LEVEL: level} for level in range(levels) for c in lrs]
+
+
+def fit_slope(points: Sequence[tuple[float, float]]) -> float:
+    """The slope a of the least-squares line through the origin, r = a·ε, through (ε, r)
+    points: Σεr/Σε². Panda et al.'s rule scales the best r linearly with ε; with no intercept
+    one number is fitted from every level, so the extrapolation from small ε to the final run's
+    several times larger ε carries the levels' noise once, where a free intercept multiplies
+    the difference of two noisy points by that distance (a flat or falling line from tied or
+    swapped levels)."""
+    return sum(e * r for e, r in points) / sum(e * e for e, _ in points)
+
+
+def final_candidate(
+    spec: JobSpec, plan: Plan, finished: Sequence[tuple[Candidate, float]]
+) -> Candidate | None:
+    """The final run of a scaling job, from its finished cheap runs' (parameters, DP score):
+    at each level the best score's r = lr·T, the line r = a·ε fitted through the levels'
+    (ε, r) (:func:`fit_slope`), and lr = r/T at the final run's ε. The best r grows with ε and
+    the final run has more ε than any level, so r is at least the top level's best, and lr
+    stays in :func:`core.spec.lr_range`. Its parameters carry the fit, r before those bounds
+    (:data:`core.spec.SCALING_FIT`). None when no cheap run finished."""
+    assert plan.scaling is not None
+    steps = plan.shapes[-1].steps
+    points = []
+    for level, planned in enumerate(plan.scaling.levels):
+        scores = {i: score for i, (c, score) in enumerate(finished) if c[LEVEL] == level}
+        best = spec.selection.best(scores)
+        if best is not None:
+            points.append((planned.epsilon, finished[best][0][LR] * steps))
+    if not points:
+        return None
+    slope = fit_slope(points)
+    r = slope * plan.scaling.final.epsilon
+    low, high = lr_range(spec.search_space[LR])
+    lr = min(max(r, points[-1][1]) / steps, high)
+    fit = dict(zip(SCALING_FIT, (slope, r), strict=True))
+    return {LR: max(lr, low), LEVEL: len(plan.scaling.levels), **fit}

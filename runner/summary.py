@@ -23,7 +23,8 @@ from rich.table import Table
 
 from core.accounting import epsilon_from_rdp
 from core.shapes import shape_curve, shape_of, trial_curve
-from runner.job import JobContext, trial_index
+from core.spec import SCALING_FIT
+from runner.job import JobContext, shown_paths, trial_index
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def trials_table(ctx: JobContext, rows: list[TrialRow]) -> Table:
         except ValueError:
             return trial_curve(shapes, plan.validation_noise, any_one=True)
 
-    paths = list(ctx.spec.search_space)
+    paths = shown_paths(ctx.spec)
     table = Table(title=f"dptune job {ctx.job_id}: trials", box=box.ROUNDED, title_justify="left")
     table.add_column("trial", justify="right")
     for path in paths:
@@ -147,6 +148,10 @@ def show(
     if best is None:
         print("released: nothing (no trial finished)", file=file, flush=True)
         return
+    if ctx.plan.scaling is not None:
+        slope, r = (_value(best.params.get(p)) for p in SCALING_FIT)
+        final = ctx.plan.scaling.final.epsilon
+        print(f"scaling: r = lr·T fitted as {slope}·ε, at the final ε {final:.4g}: {r}", file=file)
     params = ", ".join(f"{p} = {_value(v)}" for p, v in best.params.items())
     print(
         f"released: trial {best.index} ({params or 'the spec as given'}), "

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.shapes import Shape, plan_shapes, shape_of
+from core.shapes import Shape, plan_shapes, reserved_attempts, shape_of
 from service import ledger, lifecycle
 from service.db import Artifact, Job, Trial, TrialAttempt, begin_write, locked_dataset
 from service.orchestration import JobState
@@ -74,7 +74,7 @@ def _check_covered(job: Job, trial: Trial | None, index: int, params: dict[str, 
         raise AttemptRefused(f"trial {index}: {error}") from None
     grid = plan["attempts_reserved"] is not None and plan.get("proxy") is None
     if grid and len(shapes) > 1:
-        _check_shape_share(job, shapes, shape, plan["attempts_reserved"] // len(shapes))
+        _check_shape_share(job, shapes, shape, reserved_attempts(plan, shape))
     if trial is None:
         return
     retries = 0 if ledger.tuning_method(job).random_stopping else job.spec["privacy"]["max_retries"]
@@ -83,8 +83,8 @@ def _check_covered(job: Job, trial: Trial | None, index: int, params: dict[str, 
 
 
 def _check_shape_share(job: Job, shapes: list[Shape], shape: Shape, share: int) -> None:
-    """A fixed-K job reserved its grid's attempts shape by shape (each shape runs equally
-    often): one more attempt of ``shape`` must stay within its share."""
+    """A fixed-K job reserved its attempts shape by shape (a grid's equally, a scaling job's
+    by level): one more attempt of ``shape`` must stay within its share."""
     used = sum(len(t.attempts) for t in job.trials if shape_of(shapes, t.params) == shape)
     if used >= share:
         raise AttemptRefused(

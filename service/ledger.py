@@ -14,6 +14,17 @@ max(reserved, charged), and once settled it is exactly its charges. A dataset's 
 composed from its charges and outstanding reservations with ``core.accounting.dataset_epsilon``;
 admission refuses a job whose reservation would take it above the dataset's ε.
 
+Two routes. Every amount is composed twice. Route A is each row's curve and (ε, δ) pair (the
+ledger as it was before a second route existed). Route B is the same, except that a row of a
+job whose charge has a second statement (``Charge.pld``: a fixed-K job's PLD statement, a ps
+job's privacy-profile bound, each one (ε, δ) pair for the whole job) counts as that pair. Each
+route composes statements that each bound the job's releases, so each is an upper bound on the
+dataset's privacy loss, and the dataset's spent and committed ε is the smaller of the two: never
+above route A, today's total. A fixed-K job is charged per attempt on route A; on route B its
+whole pair is charged with its first attempt and nothing with the others (a job that never
+started releases the pair). The outstanding-reservation arithmetic below works part by part on
+both routes alike.
+
 Sums are exact. Every part of the dataset's total is the exact sum of the rows' floats,
 rounded once (as ``math.fsum`` rounds): it does not depend on the order the rows are added in,
 so the running sums kept in ``ledger_total`` with every row (:func:`append`) give the budget
@@ -39,6 +50,8 @@ from core.shapes import plan_shapes
 from service.db import Dataset, Job, LedgerEntry, LedgerTotal
 
 _N = len(accounting.ORDERS)
+_W = _N + 2
+"""One route's part of a ledger vector: the RDP curve over ORDERS, ε, δ."""
 _ONE = 1 << 1074
 """Every finite double is an integer multiple of 2⁻¹⁰⁷⁴: in that unit, sums of ledger floats
 are sums of Python integers, exact and fast."""
@@ -48,27 +61,51 @@ Exact = list[int]
 
 
 def amount(charge: accounting.Charge) -> np.ndarray:
-    """A charge as one vector: its RDP curve over ORDERS, then ε, then δ. Every part adds
-    under composition (RDP by order; (ε, δ) charges by basic composition), so the ledger's
+    """A charge as one vector: route A (its RDP curve over ORDERS, then ε, then δ), then route B
+    (its ``pld`` pair alone where it has one, else route A again). Every part adds under
+    composition (RDP by order; (ε, δ) charges by basic composition), so the ledger's
     arithmetic is vector arithmetic."""
-    vec = np.zeros(_N + 2)
+    route = np.zeros(_W)
     if charge.rdp is not None:
-        vec[:_N] = charge.rdp
+        route[:_N] = charge.rdp
     if charge.eps_delta is not None:
-        vec[_N:] = charge.eps_delta
-    return vec
+        route[_N:] = charge.eps_delta
+    return np.concatenate([route, route if charge.pld is None else _pair(*charge.pld)])
+
+
+def _pair(epsilon: float, delta: float) -> np.ndarray:
+    """One route's part that is an (ε, δ) pair alone."""
+    route = np.zeros(_W)
+    route[_N:] = epsilon, delta
+    return route
 
 
 def entry_amount(entry: LedgerEntry) -> np.ndarray:
-    return _row_vector(entry.rdp, entry.epsilon, entry.delta)
+    vec = _row_vector(entry.rdp, entry.epsilon, entry.delta)
+    if entry.pld_epsilon is not None:
+        vec[_W:] = _pair(entry.pld_epsilon, entry.pld_delta or 0.0)
+    return vec
 
 
 def _row_vector(rdp: Iterable[float] | None, epsilon: float, delta: float) -> np.ndarray:
-    vec = np.zeros(_N + 2)
+    """A row that counts the same on both routes."""
+    route = np.zeros(_W)
     if rdp is not None:
-        vec[:_N] = list(rdp)
-    vec[_N:] = epsilon, delta
-    return vec
+        route[:_N] = list(rdp)
+    route[_N:] = epsilon, delta
+    return np.concatenate([route, route])
+
+
+def _route_b(vec: np.ndarray) -> tuple[float | None, float | None]:
+    """How a row stores its route-B part: (None, None) where it is route A's, else its pair
+    (route B's part of a row is route A's or a pair alone, as :func:`amount` and the
+    per-part arithmetic of one job's rows make it)."""
+    a, b = vec[:_W], vec[_W:]
+    if np.array_equal(a, b):
+        return None, None
+    if b[:_N].any():
+        raise ValueError("a ledger row's second route is its first or an (ε, δ) pair alone")
+    return float(b[_N]), float(b[_N + 1])
 
 
 def exact(vec: np.ndarray) -> Exact:
@@ -109,7 +146,7 @@ def _positive(vec: Exact) -> Exact:
 
 
 def _zero() -> Exact:
-    return [0] * (_N + 2)
+    return [0] * (2 * _W)
 
 
 def _dump(vec: Exact) -> list[list[float]]:
@@ -132,11 +169,21 @@ def _load(parts: list[list[float]]) -> Exact:
 
 
 def _epsilon(total: np.ndarray, delta: float) -> float:
-    return _total_epsilon(tuple(total.tolist()), delta)
+    """ε of a total: the smaller of its two routes' (both are sound, see above)."""
+    values = total.tolist()
+    return min(_route_epsilon(tuple(values[:_W]), delta), _route_epsilon(tuple(values[_W:]), delta))
+
+
+def _row_epsilon(vec: np.ndarray, delta: float) -> float:
+    """A row's own ε, as shown: the smaller of its routes', but route A's where its route-B
+    part is empty (a fixed-K job's later attempts: their route B was charged with the first)."""
+    if not vec[_W:].any():
+        return _route_epsilon(tuple(vec[:_W].tolist()), delta)
+    return _epsilon(vec, delta)
 
 
 @functools.lru_cache(maxsize=1024)
-def _total_epsilon(total: tuple[float, ...], delta: float) -> float:
+def _route_epsilon(total: tuple[float, ...], delta: float) -> float:
     """Memoized: dp-accounting's conversion costs as much as the rest of a budget read, and
     the totals a read converts (spent, committed) only change with the ledger."""
     vec = np.array(total)
@@ -152,6 +199,7 @@ def append(
     budget lock (:func:`service.db.locked_dataset`): the sums are read, changed and written
     back."""
     dataset = session.get_one(Dataset, job.dataset_id)
+    pld_epsilon, pld_delta = _route_b(vec)
     entry = LedgerEntry(
         dataset_id=job.dataset_id,
         job_id=job.id,
@@ -160,8 +208,10 @@ def append(
         rdp=vec[:_N].tolist() if vec[:_N].any() else None,
         epsilon=float(vec[_N]),
         delta=float(vec[_N + 1]),
+        pld_epsilon=pld_epsilon,
+        pld_delta=pld_delta,
         note=note,
-        shown_epsilon=_epsilon(vec, dataset.delta),
+        shown_epsilon=_row_epsilon(vec, dataset.delta),
     )
     session.add(entry)
     dataset.ledger_rows = Dataset.ledger_rows + 1  # in SQL: the count is never read stale
@@ -205,9 +255,13 @@ def _new_total(session: Session, dataset_id: int, job_id: int | None) -> LedgerT
 class Budget:
     epsilon: float  # the dataset's lifetime budget ...
     delta: float  # ... at this δ
-    spent: float  # ε of all charges
-    committed: float  # ε of charges plus outstanding reservations
-    delta_held: float  # δ held by (ε, δ) charges (Liu–Talwar bounds, caps on K), committed
+    spent: float  # ε of all charges (the smaller of the ledger's two routes)
+    committed: float  # ε of charges plus outstanding reservations (the same)
+    #: δ held by (ε, δ) charges (Liu–Talwar bounds, caps on K, profile bounds), committed, on
+    #: route A: what later jobs' default δs are shares of, as before route B existed
+    delta_held: float
+    #: δ held on route B (PLD statements too): what a fixed-K job's PLD statement may take
+    delta_held_pld: float = 0.0
 
     @property
     def reserved(self) -> float:
@@ -236,7 +290,7 @@ def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -
     query = select(LedgerTotal.job_id, LedgerTotal.amount).where(
         LedgerTotal.dataset_id == dataset.id
     )
-    charges: list[list[float]] = [[] for _ in range(_N + 2)]
+    charges: list[list[float]] = [[] for _ in range(2 * _W)]
     parts = [[] for _ in charges] if plus is None else [[x] for x in plus.tolist()]
     for job_id, amount in session.execute(query):
         if job_id is None:
@@ -265,6 +319,7 @@ def _budget(dataset: Dataset, spent: np.ndarray, committed: np.ndarray) -> Budge
         spent=_epsilon(spent, dataset.delta),
         committed=_epsilon(committed, dataset.delta),
         delta_held=float(committed[_N + 1]),
+        delta_held_pld=float(committed[_W + _N + 1]),
     )
 
 
@@ -343,7 +398,7 @@ def _curve_epsilon(
 ) -> float:
     """Memoized for the rows written before revision 0008, shown from their curves on every
     read (a job's charges, and jobs planned alike, share their amounts)."""
-    return _epsilon(_row_vector(curve, epsilon, row_delta), delta)
+    return _row_epsilon(_row_vector(curve, epsilon, row_delta), delta)
 
 
 def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
@@ -351,15 +406,24 @@ def charge_what_ran(session: Session, job: Job) -> list[LedgerEntry]:
     of the job's rows. Idempotent: each charge has its own reference.
 
     What counts as having run: every recorded trial attempt (the attempt row is written before
-    the attempt reads data, :mod:`service.attempts`), each charged one trial; under random
-    stopping (``lt``, ``ps``) the whole bound, once the job started at all (invariant 3).
+    the attempt reads data, :mod:`service.attempts`), each charged one trial (and on route B,
+    where the job is stated there as one pair, the whole pair with the first, which is charged
+    in the transaction that records it); under random stopping (``lt``, ``ps``) the whole
+    bound, once the job started at all (invariant 3).
     """
     query = select(LedgerEntry).where(LedgerEntry.job_id == job.id).order_by(LedgerEntry.id)
     entries = list(session.execute(query).scalars())
     references = {e.reference for e in entries}
     reservation = next(e for e in entries if e.kind == "reservation")
-    for reference, vec, note in _charges_due(job, entry_amount(reservation)):
+    reserved = entry_amount(reservation)
+    # a fixed-K job stated as one pair on route B: the pair with its first charge, then nothing
+    own_pair = reservation.pld_epsilon is not None and not tuning_method(job).random_stopping
+    first = not any(e.kind == "charge" for e in entries)
+    for reference, vec, note in _charges_due(job, reserved):
         if reference not in references:
+            if own_pair:
+                vec[_W:] = reserved[_W:] if first else 0.0
+            first = False
             entries.append(append(session, job, "charge", reference, vec, note))
     return entries
 

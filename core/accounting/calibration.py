@@ -92,8 +92,9 @@ def calibrate_noise(
     its kind and parameters as in :func:`~core.accounting.methods.tuning_epsilon`) cost
     ε ∈ [target·(1 − 10⁻³), target] at δ. A trial is DP-SGD composed with the private
     validation score's Gaussian (``validation_noise``) and with ``extra_rdp``; the job's ε is
-    its method's (the smaller bound, for a ``ps`` job with a ``profile_delta``), which needs
-    the trial's mechanisms, so the profile bound applies where there is no ``extra_rdp``."""
+    its method's (the smaller bound, for an ``rdp`` job with a ``pld_delta`` or a ``ps`` job with
+    a ``profile_delta``), which needs the trial's mechanisms, so the PLD and profile bounds apply
+    where there is no ``extra_rdp``."""
     target = checks.positive("target_epsilon", target_epsilon)
     checks.sample_rate(sample_rate)
     checks.count("steps", steps)

@@ -8,7 +8,8 @@ several modules:
   composed with the private validation score's Gaussian mechanism when there is one. An
   adaptive clipping rule's noisy statistics are paid for inside σ (paper 001, Theorem 2), so
   the trial costs DP-SGD with σ. Its RDP curve is computed here and nowhere else.
-- :data:`TuningMethod`: how K trials are charged — :class:`Rdp` (K fixed, RDP composition),
+- :data:`TuningMethod`: how K trials are charged — :class:`Rdp` (K fixed, RDP composition, or
+  PLD composition where that is smaller),
   :class:`LiuTalwar` (random stopping, an (ε, δ) bound) or :class:`PapernotSteinke` (random K,
   RDP bounds, or a privacy-profile bound where that is smaller). Each answers the same
   questions: what the job costs at δ (``epsilon``), what the ledger charges (``charge``), the
@@ -106,25 +107,67 @@ class _Method(BaseModel):
     random_stopping: ClassVar[bool]
 
 
+#: the largest RDP ε at which a job's PLD or privacy-profile bound is computed: the spec's largest ε
+PROFILE_MAX_EPSILON = 100.0
+
+
 class Rdp(_Method):
     """K fixed trials, all outputs released; RDP curves add (``trials`` counts every reserved
-    attempt, retries included)."""
+    attempt, retries included).
+
+    With ``pld_delta``, the job is also stated by the pessimistic privacy loss distribution of
+    its K-fold composition (dp-accounting's ``PLDAccountant`` arithmetic, Doroshenko et al.,
+    "Connect the Dots", PETS 2022): an (ε, δ) statement at that δ (at most the job's), an upper
+    bound as every pessimistic PLD is. The job's ε at δ is the smaller of the two (:meth:`bound`),
+    and its charge carries the PLD pair as the ledger's second route (``Charge.pld``). Only
+    for a job of one shape: with several, a trial runs any one of them and its PLD is not one
+    self-composition, so such a job is stated by RDP alone. None: RDP alone."""
 
     kind: Literal["rdp"] = "rdp"
     trials: int = Field(ge=1)
+    pld_delta: float | None = Field(None, gt=0, lt=1)
     random_stopping: ClassVar[bool] = False
 
     @property
     def max_trials(self) -> int:
         return self.trials
 
+    def pld_epsilon(self, delta: float, mechanisms: Mechanisms) -> float:
+        """ε at min(δ, ``pld_delta``) of the K-fold composition's pessimistic PLD; ``inf``
+        where it does not apply (no ``pld_delta``, or not exactly one shape given)."""
+        shapes = tuple(dict.fromkeys(m.profile_trial() for m in mechanisms))
+        if self.pld_delta is None or len(shapes) != 1:
+            return math.inf
+        return profile.composed_epsilon(shapes[0], self.trials, min(self.pld_delta, delta))
+
+    def _bounds(
+        self, trial: np.ndarray, delta: float, mechanisms: Mechanisms
+    ) -> tuple[float, float]:
+        """ε at δ by RDP and by PLD; the PLD is not computed above :data:`PROFILE_MAX_EPSILON`
+        (as for ps's profile bound: no job is planned there, and a PLD grows with its loss)."""
+        rdp = epsilon_from_rdp(self.trials * trial, delta)[0]
+        if rdp > PROFILE_MAX_EPSILON:
+            return rdp, math.inf
+        return rdp, self.pld_epsilon(delta, mechanisms)
+
+    def bound(
+        self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()
+    ) -> Literal["rdp", "pld"]:
+        """Which bound states the job: the smaller ε at δ (RDP on a tie)."""
+        rdp, by_pld = self._bounds(trial, delta, mechanisms)
+        return "pld" if by_pld < rdp else "rdp"
+
     def charge(
         self, trial: np.ndarray, delta: float, statement_epsilon: float, mechanisms: Mechanisms = ()
     ) -> Charge:
-        return Charge(rdp=self.trials * trial)
+        """The K curves, and the PLD statement as the second route wherever it is finite
+        (whichever bound states the job: the ledger takes the smaller dataset total)."""
+        by_pld = self._bounds(trial, delta, mechanisms)[1]
+        pld = None if math.isinf(by_pld) else (by_pld, min(delta, self.pld_delta or delta))
+        return Charge(rdp=self.trials * trial, pld=pld)
 
     def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
-        return epsilon_from_rdp(self.trials * trial, delta)[0]
+        return min(self._bounds(trial, delta, mechanisms))
 
 
 #: the largest cap on trials an (ε, δ) bound is computed for: a count that fits a 32-bit
@@ -182,10 +225,6 @@ class LiuTalwar(_Method):
     def draw_trials(self, rng: np.random.Generator) -> int:
         """K ~ Geometric(γ) on {1, 2, …}, capped at T (part of the bound)."""
         return min(int(rng.geometric(self.gamma)), self.max_trials)
-
-
-#: the largest RDP ε at which a ps job's privacy-profile bound is computed: the spec's largest ε
-PROFILE_MAX_EPSILON = 100.0
 
 
 class PapernotSteinke(_Method):
@@ -257,14 +296,19 @@ class PapernotSteinke(_Method):
         ledger states the whole dataset at its composed ε_D, at most the dataset's budget ε,
         which the caller passes as ``statement_epsilon`` (see ``service.planning``). By the
         profile bound: its (ε, δ) statement, cap included, composed basically like
-        Liu–Talwar's."""
-        if self.bound(trial, delta, mechanisms) == "profile":
-            d = min(delta, self.profile_delta or delta)
-            return Charge(eps_delta=(self.profile_epsilon(delta, mechanisms), d))
+        Liu–Talwar's. Wherever the profile bound is finite it is also the charge's second
+        route (``Charge.pld``), so the ledger may take it even where RDP states the job."""
+        rdp, by_profile = self._bounds(trial, delta, mechanisms)
+        pld = None
+        if not math.isinf(by_profile):
+            pld = (by_profile, min(delta, self.profile_delta or delta))
+        if by_profile < rdp:
+            return Charge(eps_delta=pld, pld=pld)
         curve = tuning_rdp(trial, self.mean, self.eta)
         if self.max_trials is None:
-            return Charge(rdp=curve)
-        return Charge(rdp=curve, eps_delta=(0.0, cap_delta(self.tail(), statement_epsilon)))
+            return Charge(rdp=curve, pld=pld)
+        cap = (0.0, cap_delta(self.tail(), statement_epsilon))
+        return Charge(rdp=curve, eps_delta=cap, pld=pld)
 
     def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
         return min(self._bounds(trial, delta, mechanisms))
@@ -330,8 +374,9 @@ def tuning_epsilon(
 ) -> float:
     """ε at overall δ of a tuning job whose trials each run ``steps`` DP-SGD steps (q, σ),
     composed with ``extra_rdp``, charged by ``method`` (a value, or a kind and its parameters:
-    ``"rdp", trials=K``; ``"lt", gamma=…, delta2=…``; ``"ps", mean=…, eta=…, max_trials=…,
-    profile_delta=…``); the profile bound applies where there is no ``extra_rdp``."""
+    ``"rdp", trials=K, pld_delta=…``; ``"lt", gamma=…, delta2=…``; ``"ps", mean=…, eta=…,
+    max_trials=…, profile_delta=…``); the PLD and profile bounds apply where there is no
+    ``extra_rdp``."""
     checks.probability("delta", delta)
     charged = tuning_method(method, **params)
     curve = trial_rdp(sample_rate, noise_multiplier, steps, extra_rdp)

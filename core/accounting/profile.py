@@ -206,3 +206,14 @@ def profile_epsilon(
     a plan states, charges and reports the same job's bound."""
     profile = PldProfile([trial_pld(*trial) for trial in trials])
     return selection_epsilon(profile, delta, mean, eta, tail)
+
+
+@functools.lru_cache(maxsize=256)
+def composed_epsilon(trial: Trial, count: int, delta: float) -> float:
+    """ε at δ of ``count`` runs of one trial (q, σ, T, validation noise), composed: the
+    ``count``-fold self-composition of its pessimistic PLD (:func:`trial_pld`), an upper bound
+    on the composition's privacy profile. Memoized: a plan states, charges and reports the same
+    job's bound, and calibration revisits its σs."""
+    pld = trial_pld(*trial)
+    composed = pld if count == 1 else pld.self_compose(checks.count("count", count))
+    return float(composed.get_epsilon_for_delta(checks.probability("delta", delta)))

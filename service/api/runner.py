@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from core.config import DatasetConfig, StateTensor, Strict
 from core.shapes import plan_shapes, shape_of
-from core.spec import MAX_ID, JobSpec, Scalar, check_json, printable
+from core.spec import LEVEL, MAX_ID, JobSpec, Scalar, check_json, printable
 from service import attempts, ledger, lifecycle, visibility
 from service.api.deps import Id, SessionDep, SettingsDep
 from service.api.errors import COMMON, field_error, responses
@@ -215,8 +215,11 @@ def fail_open(job_id: RunnerJob, index: Index, session: SessionDep) -> Response:
 
 
 def _best_trial(job: Job) -> Trial | None:
-    """The finished trial with the best DP selection score (docs/design.md, invariant 5)."""
+    """The finished trial with the best DP selection score (docs/design.md, invariant 5); of a
+    scaling job, its final run (``core.plan.ScalingPlan``: the other runs only chose its lr)."""
     done = {t: t.score for t in job.trials if t.status == "succeeded" and t.score is not None}
+    if (scaling := job.plan.get("scaling")) is not None:
+        done = {t: s for t, s in done.items() if t.params.get(LEVEL) == len(scaling["levels"])}
     return JobSpec.model_validate(job.spec).selection.best(done)
 
 

@@ -193,7 +193,8 @@ class TrialAttempt(Base):
 class LedgerEntry(Base):
     """Append-only budget ledger (docs/design.md, invariant 7). A row carries an RDP curve over
     ``core.accounting.ORDERS``, an (ε, δ) pair, or both (a Papernot–Steinke job with a cap
-    on K: its curve plus the cap's tail probability as (0, δ))."""
+    on K: its curve plus the cap's tail probability as (0, δ)), and optionally what it counts as
+    on the ledger's second route (``pld_epsilon``, ``pld_delta``)."""
 
     __tablename__ = "ledger_entry"
     #: a dataset's rows in id order: its newest rows (a budget read) and a page after a row
@@ -215,6 +216,11 @@ class LedgerEntry(Base):
     #: exceeds the dataset's): fixed when written, so that showing a row does not read its
     #: curve; empty on rows written before revision 0008
     shown_epsilon: Mapped[float | None] = mapped_column(Float)
+    #: the row on the ledger's second route: the (ε, δ) pair it counts as there (its job's PLD
+    #: or privacy-profile statement, or (0, 0) for a fixed-K job's later attempts); empty: the
+    #: same as on the first route (``rdp``, ``epsilon``, ``delta``; every row before 0011)
+    pld_epsilon: Mapped[float | None] = mapped_column(Float)
+    pld_delta: Mapped[float | None] = mapped_column(Float)
 
 
 class LedgerTotal(Base):
@@ -222,9 +228,10 @@ class LedgerTotal(Base):
     that reading a budget touches one row per open job instead of every ledger row
     (:mod:`service.ledger`). The row with no ``job_id`` holds the sum of the dataset's charge
     rows; a row with a ``job_id`` holds that job's outstanding reservation, and exists only
-    while some of it is outstanding. ``amount`` is the ledger vector (RDP orders, ε, δ), each
-    part a list of floats whose exact sum it is: sums of floats kept exactly, so the cached
-    totals are the all-rows totals to the bit (docs/design.md, invariant 7)."""
+    while some of it is outstanding. ``amount`` is the ledger vector (RDP orders, ε, δ, on each
+    of the ledger's two routes), each part a list of floats whose exact sum it is: sums of
+    floats kept exactly, so the cached totals are the all-rows totals to the bit
+    (docs/design.md, invariant 7)."""
 
     __tablename__ = "ledger_total"
 

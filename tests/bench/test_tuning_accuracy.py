@@ -33,8 +33,8 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
 ) -> None:
     table = ta.methods(ta.THRESHOLDS, quick=False)
     for name, method in table.items():
-        if method.proxy and accounting != "rdp":
-            continue  # plan_runs leaves them out: the product refuses a proxy under lt/ps
+        if method.rdp_only and accounting != "rdp":
+            continue  # plan_runs leaves them out: the product refuses them under lt/ps
         raw = ta.job_spec(7, ta.DATASETS["digits"], 1000, method, accounting, 2.0, 3, proxy=9)
         assert raw["privacy"]["epsilon"] == 2.0 and raw["privacy"]["delta"] == 1e-3
         k = len(method.candidates())
@@ -49,15 +49,20 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
         assert spec.proxy == (9 if name == "proxy" else None)
         if name == "proxy":
             assert spec.trial_count() == 1 and spec.candidate_count() == k
+        elif name == "scaling":  # every rate at two levels, then the final run
+            assert spec.trial_count() == 2 * k + 1 and spec.scaling is not None
         elif accounting == "rdp":
             assert spec.trial_count() == k and spec.seed == 3
         elif accounting == "lt":
             assert spec.privacy.expected_trials == k and spec.seed is None
         else:
             assert (spec.privacy.mean, spec.privacy.eta) == (k, 1)
-        assert k == (1 if name in ONE_RUN else 9 if name == "shape" else 10)
+        assert k == (
+            1 if name in ONE_RUN else 9 if name == "shape" else 3 if name == "scaling" else 10
+        )
         recipe = name == "recipe"
-        assert (spec.batch_size is None, spec.epochs is None) == (recipe, recipe)
+        shape = name in ("recipe", "scaling")  # batch size and epochs left to the recipes
+        assert (spec.batch_size is None, spec.epochs is None) == (shape, shape)
         assert ("lr" in raw["optimizer"]) != recipe
 
 

@@ -10,6 +10,7 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from safetensors.numpy import load
 from sqlalchemy import select
 
+from core.accounting import ORDERS
 from service import ledger, lifecycle
 from service.api import create_app
 from service.attempts import (
@@ -21,6 +22,8 @@ from service.attempts import (
 )
 from service.db import Job, LedgerEntry
 from service.orchestration import JobState
+
+WIDTH = len(ORDERS) + 2  # one route of a ledger vector: the RDP curve, ε, δ
 
 
 def opacus_epsilon(plan: dict, trials: int, delta: float) -> float:
@@ -69,14 +72,23 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
     budget = api.budget(ds)
     assert [e["kind"] for e in budget["entries"]] == ["reservation"] + ["charge"] * 3 + ["release"]
     assert budget["reserved"] == 0
-    assert budget["spent"] == pytest.approx(opacus_epsilon(plan, 3, 1e-5), rel=0.03)
+    # the smaller route: three trials by RDP, or the job's PLD statement of four
+    assert budget["spent"] == pytest.approx(
+        min(opacus_epsilon(plan, 3, 1e-5), plan["epsilon"]), rel=0.03
+    )
     rows = _rows(session, jid)
     vec = {
         kind: sum(ledger.entry_amount(r) for r in rows if r.kind == kind)
         for kind in ("reservation", "charge", "release")
     }
     np.testing.assert_allclose(vec["charge"] + vec["release"], vec["reservation"], rtol=1e-12)
-    np.testing.assert_allclose(vec["release"], vec["reservation"] / 4, rtol=1e-12)
+    a, b = slice(0, WIDTH), slice(WIDTH, None)  # the ledger's two routes
+    np.testing.assert_allclose(vec["release"][a], vec["reservation"][a] / 4, rtol=1e-12)
+    # route B: the job's PLD statement, all of it charged with the first attempt
+    assert plan["method"]["pld_delta"] == 1e-5
+    assert vec["reservation"][b][-2:] == pytest.approx((plan["epsilon"], 1e-5), rel=1e-12)
+    assert not vec["release"][b].any()
+    assert [bool(r.pld_epsilon) for r in rows] == [True, True] + [False] * 3  # the pair once
 
     with pytest.raises(AttemptRefused, match="succeeded"):
         start_attempt(session, jid, 1, {"optimizer.lr": 0.2})

@@ -69,7 +69,10 @@ def test_lifecycle(client, api, dataset, ana, spec):
     independent = opacus_epsilon(
         plan["sample_rate"], plan["noise_multiplier"], plan["steps"], 1e-5, 20.0, trials=2
     )
-    assert plan["epsilon"] == pytest.approx(independent, rel=0.03)
+    if plan["bound"] == "rdp":
+        assert plan["epsilon"] == pytest.approx(independent, rel=0.03)
+    else:  # stated by the PLD of its composition, where that is below RDP (issue 41)
+        assert plan["bound"] == "pld" and plan["epsilon"] < independent
     assert plan["remaining_epsilon"] == 4.0
     assert plan["remaining_epsilon_after"] == pytest.approx(4.0 - plan["epsilon"], rel=1e-6)
     assert api.budget(ds)["entries"] == []

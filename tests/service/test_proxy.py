@@ -65,7 +65,8 @@ def test_a_proxy_search_costs_one_private_trial_of_any_shape(runs):
     job = r.json()
     plan = job["plan"]
     assert plan["proxy"] == {"dataset": public["id"], "trials": 6, "size": public["n"]}
-    assert plan["trials"]["max"] == 1 and plan["method"] == {"kind": "rdp", "trials": 1}
+    assert plan["trials"]["max"] == 1
+    assert plan["method"] == {"kind": "rdp", "trials": 1, "pld_delta": None}  # shapes: RDP alone
     assert 2.0 * 0.99 <= plan["epsilon"] <= 2.0
     # the private run may be either shape: each alone costs at most the job's ε
     for shape in plan_shapes(plan):

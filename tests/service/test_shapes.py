@@ -116,6 +116,7 @@ def test_the_planner_fills_a_recipe_and_explains_it():
     for field in ("batch_size", "epochs", "optimizer", "search_space"):
         body.pop(field)
     body["validation"] = {"split": "public"}
+    body["privacy"]["delta"] = 1e-5  # the default δ of an rdp job's PLD statement reads the ledger
     planned = plan_job(JobSpec.model_validate(body), _dataset(), None)
     spec, plan = planned.spec, planned.plan
     assert spec.batch_size == recipes.batch_size(N) == 256  # a power of two near N/4

@@ -1,0 +1,68 @@
+"""Cheap trials, then one final run (Panda et al., ICML 2024) through the product: a real Ray
+head, real HTTP, real training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.accounting import epsilon_from_rdp, rdp_curve
+
+from .conftest import OPERATOR, small_job
+
+
+def test_a_scaling_job_releases_its_final_run_and_is_charged_every_run(service, digits) -> None:
+    """Two learning rates at two cheap levels, then the final run at the extrapolated lr: the
+    released model is the final run's, the ledger charged each attempt its own level's curve
+    (their sum is the plan's ε), and the analyst's trial views show each run's level, lr and
+    score, the final run's with the fitted line."""
+    spec = small_job(digits) | {
+        "search_space": {"optimizer.lr": {"grid": [0.05, 0.5]}},
+        "scaling": {},
+    }
+    secret = service.post("/v1/keys", {"name": "ana", "role": "analyst", "datasets": [digits]})
+    analyst = {"Authorization": f"Bearer {secret['secret']}"}
+    job = service.post("/v1/jobs", spec, analyst)
+    plan = job["plan"]
+    assert plan["trials"]["max"] == 5 and len(plan["shapes"]) == 3
+    done = service.wait(job["id"], timeout=120)
+    assert done["status"] == "released", service.orchestrator.logs(job["id"])[-5000:]
+
+    trials = service.get(f"/v1/jobs/{job['id']}/trials", analyst)
+    cheap = sorted((t["params"]["scaling.level"], t["params"]["optimizer.lr"]) for t in trials)[:4]
+    assert cheap == [(0, 0.05), (0, 0.5), (1, 0.05), (1, 0.5)]
+    levels = sorted(t["params"]["scaling.level"] for t in trials)
+    assert levels == [0, 0, 1, 1, 2]
+    assert all(t["score"] is not None for t in trials)
+    [final] = [t for t in trials if t["params"]["scaling.level"] == 2]
+    assert final["released"] and sum(t["released"] for t in trials) == 1
+    steps = plan["shapes"][-1]["steps"]
+    fit = final["params"]
+    assert fit["scaling.r"] == pytest.approx(
+        fit["scaling.slope"] * plan["scaling"]["final"]["epsilon"]
+    )
+    # lr = r/T, at least the top level's best rate and at most ten times the largest searched
+    top = max((t for t in trials if t["params"]["scaling.level"] == 1), key=lambda t: t["score"])
+    lr = min(max(fit["scaling.r"] / steps, top["params"]["optimizer.lr"]), 5.0)
+    assert final["params"]["optimizer.lr"] == pytest.approx(lr)
+
+    budget = service.get(f"/v1/datasets/{digits}/budget")
+    charges = [e for e in budget["entries"] if e["kind"] == "charge"]
+    assert len(charges) == 5
+    curves = [
+        rdp_curve(s["sample_rate"], s["noise_multiplier"], s["steps"])
+        for t in trials
+        for s in plan["shapes"]
+        if s["level"] == t["params"]["scaling.level"]
+    ]
+    assert budget["spent"] == pytest.approx(epsilon_from_rdp(sum(curves), 1e-5)[0], rel=1e-9)
+    assert budget["spent"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    assert 0.99 * 2.0 <= budget["spent"] <= 2.0
+
+    response = service.client.get(f"/v1/jobs/{job['id']}/model", headers=OPERATOR)
+    assert response.status_code == 200
+    size = int.from_bytes(response.content[:8], "little")
+    config = json.loads(json.loads(response.content[8 : 8 + size])["__metadata__"]["config"])
+    assert config["optimizer"]["lr"] == pytest.approx(final["params"]["optimizer.lr"])
+    assert config["noise_multiplier"] == plan["scaling"]["final"]["noise_multiplier"]

@@ -1,0 +1,101 @@
+"""Revision 0011 (the ledger's second route): rows written before it count the same on both
+routes, and the running sums gain route B as a copy of route A, so every budget stays what it
+was; the downgrade takes route A back alone (on SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import numpy as np
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from core import accounting
+from service import ledger
+from service.db import Dataset, LedgerEntry, LedgerTotal, upgrade
+from service.db.schema import MIGRATIONS, _sqlite_foreign_keys_off
+
+from .test_migrations import _analyst_key, _at_revision
+
+N = len(accounting.ORDERS)
+
+
+def _to(engine, revision: str, down: bool = False) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.connect() as conn, _sqlite_foreign_keys_off(conn), conn.begin():
+        config.attributes["connection"] = conn  # as the service migrates (SQLite's batch mode)
+        (command.downgrade if down else command.upgrade)(config, revision)
+
+
+def _totals(engine) -> dict[int | None, list]:
+    """Each running sum's parts, by job (None: the charges)."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT job_id, amount FROM ledger_total")).all()
+    return {job: json.loads(a) if isinstance(a, str) else a for job, a in rows}
+
+
+def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
+    engine = _at_revision(settings, "0004")
+    rng = np.random.default_rng(11)
+    with engine.begin() as conn:
+        _analyst_key(conn)
+        conn.execute(
+            text(
+                "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
+                "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                "(1, 'd', 'builtin:digits', '{}', 10, 3, '[4]', false, 100, 1e-3, '', "
+                "CURRENT_TIMESTAMP)"
+            )
+        )
+        for job in (1, 2, 3):
+            conn.execute(
+                text(
+                    "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
+                    "accounting, status, created_at) VALUES (:id, 1, 1, 'x', '{}', '{}', 'rdp', "
+                    "'queued', CURRENT_TIMESTAMP)"
+                ),
+                {"id": job},
+            )
+    with Session(engine) as session:
+        for job in (1, 2, 3):
+            reserved = np.concatenate([rng.uniform(0, 0.3, N), [0.1, 1e-6]])
+            rows = [("reservation", reserved), ("charge", reserved * rng.uniform(0, 0.5))]
+            for i, (kind, vec) in enumerate(rows):
+                session.execute(
+                    LedgerEntry.__table__.insert().values(
+                        dataset_id=1,
+                        job_id=job,
+                        reference=f"{job}:{i}",
+                        kind=kind,
+                        rdp=vec[:N].tolist(),
+                        epsilon=float(vec[N]),
+                        delta=float(vec[N + 1]),
+                        note="",
+                        created_at=datetime.now(UTC),
+                    )
+                )
+        session.commit()
+    _to(engine, "0010")  # 0005 fills the sums from the rows, in the form of route A alone
+    before = _totals(engine)
+    assert {len(a) for a in before.values()} == {N + 2}
+
+    upgrade(engine)
+    after = _totals(engine)
+    assert after == {job: amount + amount for job, amount in before.items()}
+    with Session(engine) as session:
+        entries = session.execute(select(LedgerEntry)).scalars().all()
+        assert entries and all(e.pld_epsilon is None and e.pld_delta is None for e in entries)
+        dataset = session.get(Dataset, 1)
+        cached = ledger.budget(session, dataset)
+        assert cached == ledger.budget_from_rows(session, dataset)
+        assert cached.delta_held == cached.delta_held_pld
+        assert 0 < cached.spent < cached.committed
+        assert len(session.execute(select(LedgerTotal)).scalars().all()) == len(before)
+
+    _to(engine, "0010", down=True)
+    assert _totals(engine) == before
+    engine.dispose()
