@@ -36,7 +36,9 @@ one run each, at their defaults (paper 001 also tunes Du's C₀ and ρ_C, and An
 left out for time; ``Method({"adaptive": {"rule": "du"}}, {"method.threshold": THRESHOLDS})``
 would tune C₀); the search over batch size and epochs ("shape"), at C = 1; "recipe": one run
 of DP-SGD at C = 1 whose spec leaves out ``batch_size``, ``epochs`` and ``optimizer.lr`` for
-the planner's recipes (``service/recipes.py``); and "proxy": DP-SGD's threshold grid searched
+the planner's recipes (``service/recipes.py``); "default": the same with no ``method``
+either, for the planner's default method (DC-SGD-E with the Adam family, AUTO-S with SGD);
+and "proxy": DP-SGD's threshold grid searched
 on a public proxy (the dataset's public validation part, registered with ``public: true``),
 the best candidate then trained once on the private data (``rdp`` only: the product refuses a
 proxy under ``lt``/``ps``); "scaling": DP-SGD at C = 1 with plain SGD, at the recipe's
@@ -160,6 +162,7 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
         "recipe": Method(
             {"clipping": "abadi", "threshold": 1.0}, recipe=("batch_size", "epochs", "optimizer.lr")
         ),
+        "default": Method({}, recipe=("method", "batch_size", "epochs", "optimizer.lr")),
         "proxy": Method({"clipping": "abadi"}, {"method.threshold": thresholds}, proxy=True),
         "scaling": Method(
             {"clipping": "abadi", "threshold": 1.0},

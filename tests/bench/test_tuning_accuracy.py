@@ -24,7 +24,7 @@ def ta(bench) -> ModuleType:
     return bench("tuning_accuracy")
 
 
-ONE_RUN = ["DC-SGD-P", "DC-SGD-E", "AUTO-S", "Andrew", "Du", "recipe"]
+ONE_RUN = ["DC-SGD-P", "DC-SGD-E", "AUTO-S", "Andrew", "Du", "recipe", "default"]
 
 
 @pytest.mark.parametrize("accounting", ["rdp", "lt", "ps"])
@@ -60,10 +60,11 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
         assert k == (
             1 if name in ONE_RUN else 9 if name == "shape" else 3 if name == "scaling" else 10
         )
-        recipe = name == "recipe"
-        shape = name in ("recipe", "scaling")  # batch size and epochs left to the recipes
+        recipe = name in ("recipe", "default")
+        shape = name in ("recipe", "default", "scaling")  # batch size and epochs: the recipes'
         assert (spec.batch_size is None, spec.epochs is None) == (shape, shape)
         assert ("lr" in raw["optimizer"]) != recipe
+        assert ("method" in raw) != (name == "default")  # the planner's default method
 
 
 def test_a_proxy_runs_under_rdp_only_and_trains_on_the_public_part(ta, tmp_path) -> None:

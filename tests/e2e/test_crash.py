@@ -27,7 +27,7 @@ from service.cluster.ray_jobs import namespace
 from service.settings import Settings
 
 from .conftest import OPERATOR, Service, small_job
-from .test_jobs import composed_trials
+from .test_jobs import spent_on
 
 
 @contextmanager
@@ -125,5 +125,5 @@ def test_a_killed_service_restarts_and_its_job_completes(ray_head, tmp_path) -> 
         budget = service.get(f"/v1/datasets/{dataset}/budget")
         charges = [e for e in budget["entries"] if e["kind"] == "charge"]
         assert len(charges) == len(ran) >= 2
-        assert budget["spent"] == pytest.approx(composed_trials(job["plan"], len(ran)), rel=1e-9)
+        assert budget["spent"] == pytest.approx(spent_on(job["plan"], len(ran)), rel=1e-9)
         assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)

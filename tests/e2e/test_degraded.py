@@ -31,7 +31,7 @@ from service.cluster.head import probe
 from .cluster import _ray_cli, process_tree, token_root
 from .conftest import Service, long_job, small_job
 from .conftest import serving as serve_on
-from .test_jobs import charged, composed_trials
+from .test_jobs import charged, spent_on
 
 HOST = "127.0.0.1"
 
@@ -155,7 +155,7 @@ def test_a_job_posted_while_ray_is_down_runs_when_it_comes_up(head: Head, tmp_pa
         assert health(service)["status"] == "ok"
         budget = service.get(f"/v1/datasets/{digits}/budget")
         assert len(charged(budget)) == 2  # its two trials, each charged once
-        assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 2), rel=1e-9)
+        assert budget["spent"] == pytest.approx(spent_on(job["plan"], 2), rel=1e-9)
         assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
 
 
@@ -179,8 +179,6 @@ def test_a_head_killed_under_a_running_job(head: Head, tmp_path) -> None:
         assert attempts and all(a["ended_at"] is not None for a in attempts)
         budget = service.get(f"/v1/datasets/{digits}/budget")
         assert len(charged(budget)) == len(attempts)  # what touched data, nothing more
-        assert budget["spent"] == pytest.approx(
-            composed_trials(job["plan"], len(attempts)), rel=1e-9
-        )
+        assert budget["spent"] == pytest.approx(spent_on(job["plan"], len(attempts)), rel=1e-9)
         assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)
         assert health(service)["status"] == "degraded"  # and it stays up

@@ -11,7 +11,7 @@ import pytest
 
 from .cluster import LocalCluster, local_cluster
 from .conftest import Service, serving, small_job
-from .test_jobs import composed_trials
+from .test_jobs import spent_on
 
 
 @pytest.fixture
@@ -67,5 +67,5 @@ def test_trials_spread_over_nodes_and_a_dead_node_is_charged(
     budget = service.get(f"/v1/datasets/{digits}/budget")
     charges = [e for e in budget["entries"] if e["kind"] == "charge"]
     assert len(charges) == len(ran)  # one charge per attempt that touched data
-    assert budget["spent"] == pytest.approx(composed_trials(job["plan"], len(ran)), rel=1e-9)
+    assert budget["spent"] == pytest.approx(spent_on(job["plan"], len(ran)), rel=1e-9)
     assert budget["reserved"] == pytest.approx(0.0, abs=1e-9)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .conftest import small_job
-from .test_jobs import charged, composed_trials
+from .test_jobs import charged, spent_on
 
 
 def tune_results(data_dir: Path, job_id: int) -> list[dict[str, Any]]:
@@ -65,4 +65,4 @@ def test_a_jobs_trials_share_processes_that_read_the_data_once(service, digits, 
         assert shown == [(e, n) for e in (1, 2, 3) for n in names], shown
     budget = service.get(f"/v1/datasets/{digits}/budget")
     assert len(charged(budget)) == 6
-    assert budget["spent"] == pytest.approx(composed_trials(job["plan"], 6), rel=1e-9)
+    assert budget["spent"] == pytest.approx(spent_on(job["plan"], 6), rel=1e-9)
