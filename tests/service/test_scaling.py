@@ -17,24 +17,14 @@ from core.shapes import plan_shapes, reserved_attempts, shape_of
 from core.spec import JobSpec
 from service.api import create_app
 
-from .conftest import OPERATOR_KEY, Api, bearer
+from .conftest import OPERATOR_KEY, Api, bearer, make_spec
 from .test_runner_api import RecordingOrchestrator
 
 
 def _scaling_spec(dataset: int = 1, **extra: Any) -> dict[str, Any]:
     """A tiny scaling job: two learning rates at two default levels, then the final run."""
-    spec = {
-        "dataset": dataset,
-        "model": {"name": "logreg"},
-        "method": {"clipping": "abadi", "threshold": 1.0},
-        "optimizer": {"name": "sgd", "lr": 0.1},
-        "validation": {"split": "private", "noise": 20.0},
-        "epochs": 1,
-        "batch_size": 64,
-        "search_space": {"optimizer.lr": {"grid": [0.05, 0.5]}},
-        "privacy": {"epsilon": 2.0, "accounting": "rdp"},
-        "scaling": {},
-    }
+    spec = make_spec(dataset, 2.0) | {"model": {"name": "logreg"}, "scaling": {}}
+    spec["search_space"] = {"optimizer.lr": {"grid": [0.05, 0.5]}}
     return spec | extra
 
 

@@ -271,9 +271,10 @@ def test_a_step_waits_for_its_noise_drawn_late(make_step):
     (second,) = gradients(step, 1)
     (late,) = gradients(step, 1)
     assert time.monotonic() - started_at >= 0.3
-    # not waiting gives the step before's g̃ scaled by this step's C_t/B (C_t = 0.8·0.9^t)
+    # not waiting gives the step before's g̃ scaled by this step's C_t/B (C_t = 0.8·0.9^t):
+    # every entry close to it; fresh noise makes an entry close only by chance (about 10⁻⁵)
     for t, before, after in ((1, first, second), (2, second, late)):
-        assert not torch.isclose(after, before * 0.8 * 0.9**t / 16).any()
+        assert torch.isclose(after, before * 0.8 * 0.9**t / 16).float().mean() < 0.01
     assert stats.kstest((late / (1.3 * 0.8 * 0.9**2 / 16)).double().numpy(), "norm").pvalue > 1e-4
 
 
