@@ -25,7 +25,7 @@ place that turns a kind and its parameters into a value.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 import numpy as np
@@ -111,6 +111,20 @@ class _Method(BaseModel):
 PROFILE_MAX_EPSILON = 100.0
 
 
+def _with_second(rdp: float, second: Callable[[], float]) -> tuple[float, float]:
+    """A job's ε by RDP and by its second bound (PLD, privacy profile); the second is not
+    computed where RDP exceeds :data:`PROFILE_MAX_EPSILON`: no job is planned there, and a
+    trial's PLD grows with its privacy loss (at σ = 0.01 it takes minutes and gigabytes),
+    which calibration's first brackets would otherwise pay for."""
+    return (rdp, math.inf) if rdp > PROFILE_MAX_EPSILON else (rdp, second())
+
+
+def _statement(epsilon: float, delta: float, own_delta: float | None) -> tuple[float, float] | None:
+    """A second bound as the (ε, δ) pair the ledger's second route composes: at the smaller of
+    the job's δ and the bound's own; None where the bound is infinite (it does not apply)."""
+    return None if math.isinf(epsilon) else (epsilon, min(delta, own_delta or delta))
+
+
 class Rdp(_Method):
     """K fixed trials, all outputs released; RDP curves add (``trials`` counts every reserved
     attempt, retries included).
@@ -143,12 +157,9 @@ class Rdp(_Method):
     def _bounds(
         self, trial: np.ndarray, delta: float, mechanisms: Mechanisms
     ) -> tuple[float, float]:
-        """ε at δ by RDP and by PLD; the PLD is not computed above :data:`PROFILE_MAX_EPSILON`
-        (as for ps's profile bound: no job is planned there, and a PLD grows with its loss)."""
+        """ε at δ by RDP and by PLD (:func:`_with_second`)."""
         rdp = epsilon_from_rdp(self.trials * trial, delta)[0]
-        if rdp > PROFILE_MAX_EPSILON:
-            return rdp, math.inf
-        return rdp, self.pld_epsilon(delta, mechanisms)
+        return _with_second(rdp, lambda: self.pld_epsilon(delta, mechanisms))
 
     def bound(
         self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()
@@ -163,7 +174,7 @@ class Rdp(_Method):
         """The K curves, and the PLD statement as the second route wherever it is finite
         (whichever bound states the job: the ledger takes the smaller dataset total)."""
         by_pld = self._bounds(trial, delta, mechanisms)[1]
-        pld = None if math.isinf(by_pld) else (by_pld, min(delta, self.pld_delta or delta))
+        pld = _statement(by_pld, delta, self.pld_delta)
         return Charge(rdp=self.trials * trial, pld=pld)
 
     def epsilon(self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()) -> float:
@@ -273,14 +284,9 @@ class PapernotSteinke(_Method):
     def _bounds(
         self, trial: np.ndarray, delta: float, mechanisms: Mechanisms
     ) -> tuple[float, float]:
-        """ε at δ by the RDP bound and by the profile bound. The profile is not computed where
-        the RDP bound exceeds :data:`PROFILE_MAX_EPSILON`: no job is planned there, and a
-        trial's PLD grows with its privacy loss (at σ = 0.01 it takes minutes and gigabytes),
-        which calibration's first brackets would otherwise pay for."""
+        """ε at δ by the RDP bound and by the profile bound (:func:`_with_second`)."""
         rdp = self.rdp_epsilon(trial, delta)
-        if rdp > PROFILE_MAX_EPSILON:
-            return rdp, math.inf
-        return rdp, self.profile_epsilon(delta, mechanisms)
+        return _with_second(rdp, lambda: self.profile_epsilon(delta, mechanisms))
 
     def bound(
         self, trial: np.ndarray, delta: float, mechanisms: Mechanisms = ()
@@ -299,9 +305,7 @@ class PapernotSteinke(_Method):
         Liu–Talwar's. Wherever the profile bound is finite it is also the charge's second
         route (``Charge.pld``), so the ledger may take it even where RDP states the job."""
         rdp, by_profile = self._bounds(trial, delta, mechanisms)
-        pld = None
-        if not math.isinf(by_profile):
-            pld = (by_profile, min(delta, self.profile_delta or delta))
+        pld = _statement(by_profile, delta, self.profile_delta)
         if by_profile < rdp:
             return Charge(eps_delta=pld, pld=pld)
         curve = tuning_rdp(trial, self.mean, self.eta)
