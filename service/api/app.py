@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
 from service import lifecycle
-from service.api import datasets, errors, keys, logs, plans, runner
+from service.api import datasets, errors, heap, keys, logs, plans, runner
 from service.api import jobs as jobs_api
 from service.api.limits import BodyLimit, InFlight
 from service.api.shedding import Planning
@@ -139,11 +138,8 @@ def create_app(
     (while the service was down, too) and hands over those admitted while it did not answer
     (:func:`_poll`). Start-up itself does not wait for the orchestrator.
 
-    While it serves, the objects that exist once it has started (its modules, routes, schemas:
-    ~200,000) are kept out of Python's cyclic garbage collection (:func:`gc.freeze`; the
-    unfreeze at shutdown gives them back). Otherwise each full collection scans them all, a
-    pause that the request waiting on it pays: the slowest response under a steady load of
-    budget reads (bench/ledger_reads.py)."""
+    While it serves, the objects that exist once it has started are kept out of Python's
+    cyclic garbage collection (:mod:`service.api.heap`); the shutdown gives them back."""
     settings = settings or Settings()
     orchestrator = orchestrator or NullOrchestrator()
     seen = Reachability()
@@ -166,11 +162,11 @@ def create_app(
         app.state.orchestrator = orchestrator
         poll = partial(_poll, sessions, orchestrator, seen, settings.ray_give_up_s)
         poller = asyncio.create_task(_keep_polling(poll, poll_interval)) if poll_interval else None
-        gc.freeze()
+        heap.freeze()
         try:
             yield
         finally:
-            gc.unfreeze()
+            heap.unfreeze()
             if poller is not None:
                 poller.cancel()
             engine.dispose()

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.spec import MAX_ID, Scalar
 from core.views import BudgetOut, DatasetOut, EntryOut, LedgerOut, UploadOut
 from service import ledger, visibility
+from service.api import heap
 from service.api.deps import Caller, Id, Operator, SessionDep, SettingsDep, visible_dataset
 from service.api.errors import COMMON, field_error, responses
 from service.api.listing import COUNTED, TOTAL, ListQuery, Page, page
@@ -140,7 +141,8 @@ def _claim_name(session: SessionDep, name: str) -> None:
 def register(
     body: DatasetIn, session: SessionDep, settings: SettingsDep, _: Operator
 ) -> DatasetOut:
-    from workers.data import declared, describe  # loads torch: only when a dataset is registered
+    with heap.frozen_imports():  # torch: loaded only when a dataset is registered
+        from workers.data import declared, describe
 
     _check_source(body.source, settings.data_path)
     if body.format is not None:  # announced for upload: registered without data
@@ -201,7 +203,8 @@ async def upload(dataset_id: Id, request: Request, settings: SettingsDep, _: Ope
     """The file of a dataset announced for upload, streamed to disk (never whole in memory,
     at most ``DPTUNE_MAX_UPLOAD_BYTES``), then read and checked as trials read it. Only a file
     that passes is moved into place, and only once: a dataset's budget belongs to its data."""
-    from workers.data import describe  # loads torch
+    with heap.frozen_imports():  # torch
+        from workers.data import describe
 
     sessions: sessionmaker = request.app.state.sessions
     dataset = await run_in_threadpool(_awaiting, sessions, dataset_id)
