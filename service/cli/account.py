@@ -31,15 +31,17 @@ def _method(
     delta: float,
 ) -> accounting.TuningMethod:
     """The CLI's options as a tuning method (``single``: one trial). Liu–Talwar's δ₂ defaults
-    to planning's share of δ (``LT_DELTA2_SHARE``)."""
+    to planning's share of δ (``LT_DELTA2_SHARE``). As planning states a job, a fixed K is also
+    bounded by its pessimistic PLD and a truncated-negative-binomial K by its privacy profile,
+    both at δ, and the smaller bound states it."""
     params: dict[str, Any] = {
-        "single": {"trials": 1},
-        "rdp": {"trials": trials},
+        "single": {"trials": 1, "pld_delta": delta},
+        "rdp": {"trials": trials, "pld_delta": delta},
         "lt": {
             "gamma": gamma if gamma is not None else 1 / trials,
             "delta2": delta2 if delta2 is not None else accounting.LT_DELTA2_SHARE * delta,
         },
-        "ps": {"mean": float(trials), "eta": eta},
+        "ps": {"mean": float(trials), "eta": eta, "profile_delta": None if eta is None else delta},
     }[name]
     return accounting.tuning_method("rdp" if name == "single" else name, **params)
 
@@ -57,14 +59,18 @@ def _row(
     if sigma is None:
         sigma = accounting.calibrate_noise(q, steps, target, delta, method)  # type: ignore[arg-type]
     trial = accounting.trial_rdp(q, sigma, steps)
+    mechanisms = (accounting.TrialMechanism(sample_rate=q, noise_multiplier=sigma, steps=steps),)
+    exclude = {"kind", "pld_delta", "profile_delta"}
     row: dict[str, Any] = {
         "method": name,
         "noise_multiplier": sigma,
         "sample_rate": q,
         "steps": steps,
-        "epsilon": method.epsilon(trial, delta),
+        "epsilon": method.epsilon(trial, delta, mechanisms),
+        "bound": _bound(method, trial, delta, mechanisms),
+        "rdp_epsilon": method.epsilon(trial, delta),
         "delta": delta,
-        "params": {} if name == "single" else method.model_dump(exclude={"kind"}),
+        "params": {} if name == "single" else method.model_dump(exclude=exclude),
     }
     if histogram_noise is not None:
         row["gradient_noise"] = accounting.split_noise(sigma, histogram_noise)
@@ -73,6 +79,18 @@ def _row(
         row["max_trials"] = bound.max_trials
         row["trial_epsilon"], row["trial_delta"] = bound.trial_epsilon, bound.trial_delta
     return row
+
+
+def _bound(
+    method: accounting.TuningMethod,
+    trial: Any,
+    delta: float,
+    mechanisms: tuple[accounting.TrialMechanism, ...],
+) -> str:
+    """Which bound states the job: RDP, the PLD of a fixed K, or a random K's privacy profile."""
+    if isinstance(method, accounting.Rdp | accounting.PapernotSteinke):
+        return method.bound(trial, delta, mechanisms)
+    return "rdp"
 
 
 def _describe(row: dict[str, Any]) -> str:
@@ -92,7 +110,7 @@ def _describe(row: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="dptune privacy cost")
-    for col in ("method", "σ", "σ_T", "q", "steps", "ε", "δ", "details"):
+    for col in ("method", "σ", "σ_T", "q", "steps", "ε", "bound", "ε by RDP", "δ", "details"):
         table.add_column(col, justify="left" if col in ("method", "details") else "right")
     for r in rows:
         sigma_t = f"{r['gradient_noise']:.4f}" if "gradient_noise" in r else "—"
@@ -103,6 +121,8 @@ def _table(rows: list[dict[str, Any]]) -> Table:
             f"{r['sample_rate']:.4g}",
             str(r["steps"]),
             f"{r['epsilon']:.4f}",
+            r["bound"],
+            f"{r['rdp_epsilon']:.4f}",
             f"{r['delta']:.2g}",
             _describe(r),
         )
@@ -170,6 +190,10 @@ def account(
     lt: Liu–Talwar random stopping (paper 001, Thm 1): stop w.p. γ after each trial.
 
     ps: Papernot–Steinke (ICLR 2022): K ~ Poisson or truncated negative binomial; best only.
+
+    As a job is planned, ε is the smallest sound bound at δ (the bound column says which): RDP;
+    for single and rdp also the pessimistic PLD of the K-fold composition; for ps with η also
+    the privacy-profile bound. σ for a target ε is calibrated against it.
     """
     try:
         q, n_steps = _resolve_schedule(sample_rate, dataset_size, batch_size, steps, epochs)

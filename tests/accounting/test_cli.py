@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+from dp_accounting import dp_event, pld
 from typer.testing import CliRunner
 
 from core.accounting import dpsgd_epsilon, liu_talwar, rdp_curve
@@ -33,11 +35,28 @@ def test_cost_of_every_method_side_by_side() -> None:
     single, rdp, lt, ps = rows
     assert single["steps"] == round(10 * 1797 / 64)
     assert single["sample_rate"] == 64 / 1797
-    assert single["epsilon"] == dpsgd_epsilon(64 / 1797, 1.2, single["steps"], 1e-5)
+    assert single["rdp_epsilon"] == dpsgd_epsilon(64 / 1797, 1.2, single["steps"], 1e-5)
     assert lt["params"] == {"gamma": 1 / 8, "delta2": 1e-5 / 2}  # planning's default
     bound = liu_talwar(rdp_curve(64 / 1797, 1.2, single["steps"]), 1e-5, 1 / 8, 1e-5 / 2)
     assert lt["max_trials"] == bound.max_trials
     assert single["epsilon"] < ps["epsilon"] < rdp["epsilon"] < lt["epsilon"]
+    assert [r["bound"] for r in rows] == ["pld", "pld", "rdp", "profile"]
+    assert all(r["epsilon"] <= r["rdp_epsilon"] for r in rows)
+
+
+@pytest.mark.parametrize(("sigma", "trials"), [(0.8, 1), (1.2, 8), (2.0, 3)])
+def test_a_fixed_k_is_stated_by_its_pessimistic_pld(sigma: float, trials: int) -> None:
+    """ε of K runs by dp-accounting's own PLD accountant (its default discretization), composed
+    of the K·T subsampled Gaussian steps: the CLI's PLD statement agrees to a few per cent and
+    is below RDP's."""
+    q, steps = 0.05, 200
+    [row] = run_json("-q", str(q), "--steps", str(steps), "-s", str(sigma), "--method", "rdp",
+                     "--trials", str(trials))  # fmt: skip
+    event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+    accountant = pld.PLDAccountant().compose(event, steps * trials)
+    assert row["bound"] == "pld"
+    assert row["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=0.03)
+    assert row["epsilon"] < row["rdp_epsilon"]
 
 
 def test_noise_for_a_target() -> None:
