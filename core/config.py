@@ -255,7 +255,14 @@ class AdaptiveConfig(Strict):
         description="σ_H, the noise multiplier of DC-SGD's norm histogram. Left out of a job "
         "spec, the planner raises it with the job's σ (the plan's `defaults` says to what).",
     )
-    bins: int = Field(20, ge=1, le=MAX_BINS, description="b, the histogram's bins (DC-SGD).")
+    bins: int = Field(
+        20,
+        ge=1,
+        le=MAX_BINS,
+        description="b, the histogram's bins (DC-SGD). Left out of a `dcsgd_e` job spec, the "
+        "planner lowers it where σ_H is large against the batch size (the plan's `defaults` "
+        "says to what).",
+    )
     initial_range: Threshold | None = Field(
         None, description="R₀, DC-SGD's initial norm range; null: 1 for DC-SGD-P, b for DC-SGD-E."
     )

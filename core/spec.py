@@ -355,16 +355,16 @@ SCALING_FIT = ("scaling.slope", "scaling.r")
 DEFAULT_LEVELS = 2
 #: the share of the job's ε its cheap runs take when ``scaling.share`` is left out
 DEFAULT_SHARE = 0.5
-#: how far past the largest searched learning rate a ``scaling`` job's final run may go
-SCALING_STRETCH = 10.0
 
 
 class Scaling(Strict):
     """Cheap trials, then one final run (Panda et al., "A New Linear Scaling Rule for Private
-    Adaptive Hyperparameter Optimization", ICML 2024): every learning rate of the search runs
-    at each of a few small privacy levels; at each level the best score gives r* = lr·T, the
-    line r*(ε) = a·ε is fitted (least squares) through the levels, and one final run trains at
-    the ε the budget leaves with lr = a·ε_f/T (:func:`runner.search.final_candidate`). Every
+    Adaptive Hyperparameter Optimization", ICML 2024): the search space holds the final run's
+    candidate learning rates; at each of a few small privacy levels every candidate runs at
+    its rate scaled down by the level's ε over the final run's (where the rule puts that
+    level's best); at each level the best score gives r* = lr·T, the line r*(ε) = a·ε is
+    fitted through the levels (on a log scale, :func:`runner.search.fit_slope`), and one final
+    run trains at the ε the budget leaves with lr = a·ε_f/T. Every
     run is a fixed mechanism and the final lr is chosen from released DP outputs
     (post-processing), so the job costs the RDP composition of all its runs, and every run's
     outputs are shown."""
@@ -378,7 +378,8 @@ class Scaling(Strict):
     ) = Field(
         None,
         description="The ε of one cheap run at each level (at the job's δ), ascending, 2 to 4 "
-        "levels; every learning rate runs once at each. Null: "
+        "levels; every candidate learning rate runs once at each, scaled down by the level's ε "
+        "over the final run's. Null: "
         f"{DEFAULT_LEVELS} levels, the second with about twice the first's ε (half its σ), "
         "placed so that all cheap runs together cost `share` of the job's ε.",
     )
@@ -405,14 +406,10 @@ class Scaling(Strict):
 
 
 def lr_range(dim: Dimension) -> tuple[float, float]:
-    """The learning rates a ``scaling`` job's runs may take: from the smallest searched to the
-    largest stretched by :data:`SCALING_STRETCH` (within the optimizer's range). The final
-    run's lr is extrapolated from a line fitted through a few noisy points; the stretch lets
-    it go past the search as far as the rule asks for a final ε a few times the levels', and
-    no further, so that a noisy fit cannot send the one released model to an lr nothing tried
-    came near. Below, the rule itself bounds it (:func:`runner.search.final_candidate`)."""
-    values = [float(v) for v in _endpoints(dim)]
-    return min(values), min(max(values) * SCALING_STRETCH, LEARNING_RATE[1])
+    """The learning rates a ``scaling`` job's runs may take: up to the largest searched (the
+    final run's candidates), down to the optimizer's smallest (a cheap run's rate is a
+    candidate's scaled down by its level's share of ε, :func:`runner.search.scaling_candidates`)."""
+    return LEARNING_RATE[0], max(float(v) for v in _endpoints(dim))
 
 
 class Selection(Strict):
@@ -625,7 +622,7 @@ class JobSpec(Strict):
                     raise ValueError(f"{path}: {value} is not the shape's {getattr(shape, path)}")
                 continue
             dim = self.search_space[path]
-            if self.scaling is not None:  # a final lr extrapolated past the search
+            if self.scaling is not None:  # a cheap run's scaled rate, or the fitted final one
                 low, high = lr_range(dim)
                 value = min(max(value, low), high)
             elif isinstance(dim, LogUniform):  # exp(U(ln low, ln high)) may round past an end

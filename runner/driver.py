@@ -57,7 +57,7 @@ def _load(
         api.start()
         k = plan.method.draw_trials(secure_generator())  # from OS entropy, never a seed
     elif plan.scaling is not None:  # the cheap runs; the final one follows (:func:`_scale`)
-        cands = scaling_candidates(spec, len(plan.scaling.levels))
+        cands = scaling_candidates(spec, plan)
         k = len(cands)
     else:
         cands = candidates(spec.search_space, spec.privacy.trials or 1, spec.seed or 0)

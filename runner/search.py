@@ -10,10 +10,10 @@ tuning method draws: ``core.accounting.methods``).
   from OS entropy (:func:`~core.entropy.secure_generator`), never from a seed the analyst
   chose: replaying such a seed would tell which draw the released hyperparameters were, hence
   a lower bound on K.
-- ``scaling`` (fixed K): every candidate learning rate at each cheap privacy level, then one
-  final run whose lr is extrapolated from the levels' best (Panda et al., "A New Linear
-  Scaling Rule for Private Adaptive Hyperparameter Optimization", ICML 2024): the best
-  r = lr·T scales linearly with ε.
+- ``scaling`` (fixed K): every candidate learning rate at each cheap privacy level, scaled
+  down to it, then one final run whose lr is extrapolated from the levels' best (Panda et al.,
+  "A New Linear Scaling Rule for Private Adaptive Hyperparameter Optimization", ICML 2024):
+  the best r = lr·T scales linearly with ε.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from core.spec import (
     Grid,
     JobSpec,
     LogUniform,
-    lr_range,
 )
 
 Candidate = dict[str, Any]
@@ -73,22 +72,38 @@ def random_candidate(
     return {path: _draw(dimension, rng) for path, dimension in search_space.items()}
 
 
-def scaling_candidates(spec: JobSpec, levels: int) -> list[Candidate]:
-    """A scaling job's cheap runs (``core.spec.Scaling``): every candidate learning rate (the
-    fixed-K candidates, from the job's seed) at each of ``levels`` privacy levels, level by
-    level; each names its level, whose planned σ it runs with (:mod:`core.shapes`)."""
+def scaling_candidates(spec: JobSpec, plan: Plan) -> list[Candidate]:
+    """A scaling job's cheap runs (``core.spec.Scaling``), level by level: every candidate
+    learning rate (the fixed-K candidates, from the job's seed) scaled down by the level's ε
+    over the final run's. Those are the rates the rule makes the candidates' equivalents at the
+    level (r = lr·T ∝ ε, T fixed): the levels search where their best should be. Unscaled, a
+    grid of final rates is several times too large at every cheap level. There a few noisy
+    steps diverge at each rate, and the level's best is noise. Each names its level, whose
+    planned σ it runs with (:mod:`core.shapes`)."""
+    assert plan.scaling is not None
+    final = plan.scaling.final.epsilon
     lrs = candidates(spec.search_space, spec.privacy.trials or 1, spec.seed or 0)
-    return [{**c, LEVEL: level} for level in range(levels) for c in lrs]
+    return [
+        {**c, LR: c[LR] * level.epsilon / final, LEVEL: index}
+        for index, level in enumerate(plan.scaling.levels)
+        for c in lrs
+    ]
 
 
 def fit_slope(points: Sequence[tuple[float, float]]) -> float:
-    """The slope a of the least-squares line through the origin, r = a·ε, through (ε, r)
-    points: Σεr/Σε². Panda et al.'s rule scales the best r linearly with ε; with no intercept
-    one number is fitted from every level, so the extrapolation from small ε to the final run's
-    several times larger ε carries the levels' noise once, where a free intercept multiplies
-    the difference of two noisy points by that distance (a flat or falling line from tied or
-    swapped levels)."""
-    return sum(e * r for e, r in points) / sum(e * e for e, _ in points)
+    """The slope a of the line through the origin, r = a·ε, fitted to (ε, r) points on a log
+    scale with weights ε²: a = exp(Σ ε²·ln(r/ε) / Σ ε²). Panda et al.'s rule scales the best r
+    linearly with ε; with no intercept one number is fitted from every level, so the
+    extrapolation to the final run's several times larger ε carries the levels' noise once,
+    where a free intercept multiplies the difference of two noisy points by that distance (a
+    flat or falling line from tied or swapped levels). Learning rates are searched on a
+    geometric grid, and a level's best is one of its points: on a log scale a cheap level's
+    noisy pick of the largest rate moves a by its weight's share of the grid's log-width, not
+    by the largest rate's share of the sum (as least squares in r would); the weights ε² give
+    the levels with more ε, whose best is less noisy, more say."""
+    weights = [e * e for e, _ in points]
+    logs = [math.log(r / e) for e, r in points]
+    return math.exp(sum(w * x for w, x in zip(weights, logs, strict=True)) / sum(weights))
 
 
 def final_candidate(
@@ -96,9 +111,9 @@ def final_candidate(
 ) -> Candidate | None:
     """The final run of a scaling job, from its finished cheap runs' (parameters, DP score):
     at each level the best score's r = lr·T, the line r = a·ε fitted through the levels'
-    (ε, r) (:func:`fit_slope`), and lr = r/T at the final run's ε. The best r grows with ε and
-    the final run has more ε than any level, so r is at least the top level's best, and lr
-    stays in :func:`core.spec.lr_range`. Its parameters carry the fit, r before those bounds
+    (ε, r) (:func:`fit_slope`), and lr = r/T at the final run's ε. With the levels' rates
+    scaled (:func:`scaling_candidates`) that lr is the levels' picks, unscaled, their
+    geometric mean with weights ε²: within the searched rates. Its parameters carry the fit
     (:data:`core.spec.SCALING_FIT`). None when no cheap run finished."""
     assert plan.scaling is not None
     steps = plan.shapes[-1].steps
@@ -112,7 +127,5 @@ def final_candidate(
         return None
     slope = fit_slope(points)
     r = slope * plan.scaling.final.epsilon
-    low, high = lr_range(spec.search_space[LR])
-    lr = min(max(r, points[-1][1]) / steps, high)
     fit = dict(zip(SCALING_FIT, (slope, r), strict=True))
-    return {LR: max(lr, low), LEVEL: len(plan.scaling.levels), **fit}
+    return {LR: r / steps, LEVEL: len(plan.scaling.levels), **fit}

@@ -31,7 +31,14 @@ def test_a_scaling_job_releases_its_final_run_and_is_charged_every_run(service, 
 
     trials = service.get(f"/v1/jobs/{job['id']}/trials", analyst)
     cheap = sorted((t["params"]["scaling.level"], t["params"]["optimizer.lr"]) for t in trials)[:4]
-    assert cheap == [(0, 0.05), (0, 0.5), (1, 0.05), (1, 0.5)]
+    final_epsilon = plan["scaling"]["final"]["epsilon"]
+    scaled = [
+        (i, lr * level["epsilon"] / final_epsilon)
+        for i, level in enumerate(plan["scaling"]["levels"])
+        for lr in (0.05, 0.5)
+    ]  # each level runs the searched rates scaled down by its share of the final run's ε
+    assert [level for level, _ in cheap] == [level for level, _ in scaled]
+    assert [lr for _, lr in cheap] == pytest.approx([lr for _, lr in scaled], rel=1e-12)
     levels = sorted(t["params"]["scaling.level"] for t in trials)
     assert levels == [0, 0, 1, 1, 2]
     assert all(t["score"] is not None for t in trials)
@@ -42,10 +49,9 @@ def test_a_scaling_job_releases_its_final_run_and_is_charged_every_run(service, 
     assert fit["scaling.r"] == pytest.approx(
         fit["scaling.slope"] * plan["scaling"]["final"]["epsilon"]
     )
-    # lr = r/T, at least the top level's best rate and at most ten times the largest searched
-    top = max((t for t in trials if t["params"]["scaling.level"] == 1), key=lambda t: t["score"])
-    lr = min(max(fit["scaling.r"] / steps, top["params"]["optimizer.lr"]), 5.0)
-    assert final["params"]["optimizer.lr"] == pytest.approx(lr)
+    # lr = r/T: the levels' picks as final rates, averaged with weights ε², so within the grid
+    assert final["params"]["optimizer.lr"] == pytest.approx(fit["scaling.r"] / steps)
+    assert 0.05 * (1 - 1e-9) <= final["params"]["optimizer.lr"] <= 0.5 * (1 + 1e-9)
 
     budget = service.get(f"/v1/datasets/{digits}/budget")
     charges = [e for e in budget["entries"] if e["kind"] == "charge"]

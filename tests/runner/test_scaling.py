@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from core.config import DatasetConfig
 from core.plan import Plan
-from core.spec import JobSpec, lr_range
+from core.spec import JobSpec
 from runner.job import JobContext, param_space
 from runner.search import final_candidate, fit_slope, scaling_candidates
 from runner.summary import TrialRow, show
@@ -88,22 +88,40 @@ def test_the_fit_is_exact_on_a_line_through_the_origin(slope, xs):
 @pytest.mark.parametrize(
     ("points", "slope"),
     [
-        ([(1.0, 1.0), (2.0, 3.0)], 7 / 5),  # Σεr/Σε² = (1 + 6)/(1 + 4)
-        ([(0.5, 10.0), (1.0, 10.0)], 15 / 1.25),  # tied levels: still a rising line
-        ([(0.5, 20.0), (1.0, 10.0)], 20 / 1.25),  # swapped by noise: still rising
+        ([(1.0, 1.0), (2.0, 3.0)], 1.5**0.8),  # ratios 1 and 1.5, weights 1 and 4
+        ([(0.5, 10.0), (1.0, 10.0)], 10 * 2**0.2),  # tied levels: still a rising line
+        ([(0.5, 20.0), (1.0, 10.0)], 10 * 4**0.2),  # swapped by noise: still rising
     ],
 )
-def test_the_fit_is_least_squares_through_the_origin(points, slope):
+def test_the_fit_is_a_weighted_geometric_mean_of_the_slopes(points, slope):
     assert fit_slope(points) == pytest.approx(slope)
 
 
-def test_the_cheap_runs_are_every_lr_at_every_level():
-    runs = scaling_candidates(_spec([0.1, 1.0]), 2)
+def test_a_noisy_low_level_moves_the_fit_by_its_share_of_the_log_grid():
+    """The cheap level at a quarter of the top one's ε picks a rate 10× too large: the final
+    rate moves by its weight's share (1/17) of the grid's log-width, not to about 1.5×."""
+    top, low = (1.0, 1.0), (0.25, 0.25 * 10)
+    assert fit_slope([low, top]) == pytest.approx(10 ** (1 / 17))
+
+
+def test_the_cheap_runs_are_every_lr_at_every_level_scaled_down_to_it():
+    runs = scaling_candidates(_spec([0.1, 1.0]), PLAN)
+    e0, e1 = (e / FINAL_EPSILON for e in LEVEL_EPSILONS)
     assert runs == [
-        {"optimizer.lr": 0.1, "scaling.level": 0},
-        {"optimizer.lr": 1.0, "scaling.level": 0},
-        {"optimizer.lr": 0.1, "scaling.level": 1},
-        {"optimizer.lr": 1.0, "scaling.level": 1},
+        {"optimizer.lr": 0.1 * e0, "scaling.level": 0},
+        {"optimizer.lr": 1.0 * e0, "scaling.level": 0},
+        {"optimizer.lr": 0.1 * e1, "scaling.level": 1},
+        {"optimizer.lr": 1.0 * e1, "scaling.level": 1},
+    ]
+
+
+def _finished(grid: list[float], picks: tuple[float, float], sign: int = 1) -> list[Any]:
+    """Every cheap run of ``grid``, the one of rate ``picks[level]`` (unscaled) best at its
+    level (score 1 against 0.5, times ``sign``)."""
+    runs = scaling_candidates(_spec(grid), PLAN)
+    return [
+        (run, sign * (1.0 if lr == picks[run["scaling.level"]] else 0.5))
+        for run, lr in zip(runs, grid * len(LEVEL_EPSILONS), strict=True)
     ]
 
 
@@ -111,65 +129,65 @@ def test_the_cheap_runs_are_every_lr_at_every_level():
 @pytest.mark.parametrize(("best0", "best1"), [(0.1, 0.2), (0.2, 0.4), (0.4, 0.2), (0.1, 0.1)])
 def test_the_final_lr_extrapolates_the_levels_best(mode, best0, best1):
     """Each level's best r by its score, the line through the origin fitted to them, lr = r/T
-    at the final ε, at least the top level's best."""
+    at the final ε: the picks as final rates, their geometric mean with weights ε²."""
     grid = [0.1, 0.2, 0.4]
-    sign = 1 if mode == "max" else -1
-    finished = [
-        ({"optimizer.lr": lr, "scaling.level": level}, sign * (1.0 if lr == best else 0.5))
-        for level, best in ((0, best0), (1, best1))
-        for lr in grid
-    ]
+    finished = _finished(grid, (best0, best1), 1 if mode == "max" else -1)
     final = final_candidate(_spec(grid, mode), PLAN, finished)
-    r0, r1 = best0 * STEPS, best1 * STEPS
     e0, e1 = LEVEL_EPSILONS
-    slope = (e0 * r0 + e1 * r1) / (e0**2 + e1**2)
-    r = slope * FINAL_EPSILON
-    _, high = lr_range(_spec(grid).search_space["optimizer.lr"])
+    w0, w1 = e0**2 / (e0**2 + e1**2), e1**2 / (e0**2 + e1**2)
+    lr = best0**w0 * best1**w1
     assert final is not None
     assert final["scaling.level"] == 2
-    assert final["scaling.slope"] == pytest.approx(slope)
-    assert final["scaling.r"] == pytest.approx(r)
-    assert final["optimizer.lr"] == pytest.approx(min(max(r, r1) / STEPS, high))
+    assert final["scaling.slope"] == pytest.approx(lr * STEPS / FINAL_EPSILON)
+    assert final["scaling.r"] == pytest.approx(lr * STEPS)
+    assert final["optimizer.lr"] == pytest.approx(lr)
 
 
-def test_the_final_lr_is_kept_within_a_stretch_of_the_search():
-    """A line rising steeply leaves the final run at ten times the largest rate searched."""
-    grid = [0.01, 1.0]
+@given(
+    grid=st.lists(st.floats(1e-4, 10.0), min_size=1, max_size=5, unique=True),
+    scores=st.lists(st.floats(0.0, 1.0), min_size=10, max_size=10),
+    lost=st.sampled_from([None, 0, 1]),
+)
+def test_the_final_lr_stays_within_the_searched_rates(grid, scores, lost):
+    """Whatever the scores (a level lost too), the final run's rate is between the smallest
+    and the largest searched, and the trial runs it as chosen."""
+    runs = scaling_candidates(_spec(grid), PLAN)
     finished = [
-        ({"optimizer.lr": 1.0, "scaling.level": 0}, 0.9),
-        ({"optimizer.lr": 1.0, "scaling.level": 1}, 0.9),
+        (run, score)
+        for run, score in zip(runs, scores, strict=False)
+        if run["scaling.level"] != lost
     ]
-    plan = PLAN.model_copy(deep=True)
-    assert plan.scaling is not None
-    plan.scaling.final.epsilon = 50.0  # r = 100·ε·STEPS/… far past the search
-    final = final_candidate(_spec(grid), plan, finished)
+    final = final_candidate(_spec(grid), PLAN, finished)
     assert final is not None
-    assert final["scaling.r"] / STEPS > 10.0 and final["optimizer.lr"] == 10.0
-    # the trial runs what the runner chose: the spec keeps a scaling run's lr in the same range
+    assert min(grid) * (1 - 1e-12) <= final["optimizer.lr"] <= max(grid) * (1 + 1e-12)
     config = _spec(grid).trial_config(
         DatasetConfig(source="builtin:digits"), PLAN.shapes[2], 1e-5, final
     )
-    assert config.optimizer.lr == final["optimizer.lr"]
-    assert config.noise_multiplier == PLAN.shapes[2].noise_multiplier
-    too_far = {**final, "optimizer.lr": 50.0}  # a runner's lr past the range is kept in it
-    assert (
-        _spec(grid)
-        .trial_config(DatasetConfig(source="builtin:digits"), PLAN.shapes[2], 1e-5, too_far)
-        .optimizer.lr
-        == 10.0
-    )
+    assert config.optimizer.lr == pytest.approx(final["optimizer.lr"], rel=1e-12)
+
+
+def test_the_trial_runs_a_cheap_rate_as_scaled_and_keeps_a_runner_rate_in_range():
+    grid = [0.01, 1.0]
+    spec, dataset = _spec(grid), DatasetConfig(source="builtin:digits")
+    [cheap, *_] = scaling_candidates(spec, PLAN)
+    config = spec.trial_config(dataset, PLAN.shapes[0], 1e-5, cheap)
+    assert config.optimizer.lr == cheap["optimizer.lr"] < min(grid)
+    assert config.noise_multiplier == PLAN.shapes[0].noise_multiplier
+    too_far = {"optimizer.lr": 50.0, "scaling.level": 2}  # past the largest searched: kept at it
+    assert spec.trial_config(dataset, PLAN.shapes[2], 1e-5, too_far).optimizer.lr == 1.0
 
 
 def test_no_finished_run_no_final_and_a_lost_level_is_left_out():
     spec = _spec([0.1, 0.2])
     assert final_candidate(spec, PLAN, []) is None
-    final = final_candidate(spec, PLAN, [({"optimizer.lr": 0.2, "scaling.level": 1}, 0.7)])
+    scaled = 0.2 * LEVEL_EPSILONS[1] / FINAL_EPSILON
+    final = final_candidate(spec, PLAN, [({"optimizer.lr": scaled, "scaling.level": 1}, 0.7)])
     assert final is not None  # the line through the origin and the one level left
-    assert final["optimizer.lr"] == pytest.approx(0.2 * FINAL_EPSILON / LEVEL_EPSILONS[1])
+    assert final["optimizer.lr"] == pytest.approx(0.2)
 
 
 def _context() -> JobContext:
-    runs = scaling_candidates(_spec([0.1, 0.2]), 2)
+    runs = scaling_candidates(_spec([0.1, 0.2]), PLAN)
     final = final_candidate(_spec([0.1, 0.2]), PLAN, [(runs[0], 0.5), (runs[3], 0.6)])
     assert final is not None
     return JobContext(

@@ -16,6 +16,8 @@ from pydantic import ValidationError
 from core.config import MethodConfig
 from core.spec import JobSpec
 from service import recipes
+from service.db import Dataset
+from service.planning import plan_job
 
 from .conftest import make_spec
 
@@ -134,12 +136,82 @@ def test_the_plan_endpoint_says_which_method_it_chose(api):
     assert "dcsgd_e" in plan["defaults"]["method"]
     # DC-SGD-E's histogram is released out of σ (paper 001, Theorem 2): the rule really runs
     assert "method.adaptive.histogram_noise" in plan["defaults"]
+    assert "method.adaptive.bins" in plan["defaults"]
     assert plan["gradient_noise_multiplier"] > plan["noise_multiplier"]
     named = api.client.post(
         "/v1/plans", headers=api.operator, json=adam | {"method": {"clipping": "abadi"}}
     ).json()
     assert "method" not in named["defaults"]
     assert named["gradient_noise_multiplier"] == named["noise_multiplier"]
+
+
+@given(batch=st.integers(1, 4096), noise=st.floats(0.01, 1e4))
+def test_dcsgd_e_gets_the_most_bins_that_keep_its_noisy_count_three_deviations_above_zero(
+    batch, noise
+):
+    """√b·σ_H ≤ B/3 for the b chosen and not for b + 1, within [MIN_BINS, the paper's 20]."""
+    bins = recipes.histogram_bins(batch, noise)
+    assert recipes.MIN_BINS <= bins <= recipes.BINS == 20
+
+    def fits(b: int) -> bool:
+        return b**0.5 * noise <= batch / recipes.TOTAL_Z
+
+    assert bins == recipes.MIN_BINS or fits(bins)
+    assert bins == recipes.BINS or not fits(bins + 1)
+
+
+def _planned(epsilon: float, method: dict[str, Any] | None = None, **body: Any) -> Any:
+    """The plan of a spec leaving out the learning rate, batch size and epochs (and the method
+    when ``method`` is None) with Adam, on data of digits' size, as the bench runs it."""
+    spec = make_spec(1, epsilon, delta=1 / N) | {
+        "model": {"name": "cnn"},
+        "optimizer": {"name": "adam"},
+        "validation": {"split": "public"},
+        "search_space": {},
+        "method": method,
+    }
+    del spec["batch_size"], spec["epochs"]
+    if method is None:
+        del spec["method"]
+    data = Dataset(id=1, n=N, epsilon=100.0, delta=2 / N, public_validation=True, num_classes=10)
+    return plan_job(JobSpec.model_validate(spec | body), data, None)
+
+
+@pytest.mark.parametrize(("epsilon", "bins"), [(0.5, 4), (1.0, 8), (2.0, 20), (4.0, 20), (8.0, 20)])
+def test_the_default_method_has_fewer_bins_where_its_histogram_noise_is_large(epsilon, bins):
+    """Digits' recipe (B = 256): at ε = 1, σ ≈ 7.5 and σ_H = 4σ ≈ 30, so the paper's 20 bins
+    would leave the noisy count 256 ± 135 and the threshold wandering (docs/results.md); the
+    plan takes 8 and says why. At ε ≥ 2 the paper's 20 keep it 3 deviations above 0."""
+    planned = _planned(epsilon)
+    adaptive = planned.spec.method.adaptive
+    assert adaptive.rule == "dcsgd_e" and adaptive.bins == bins
+    assert bins == recipes.histogram_bins(planned.spec.batch_size, adaptive.histogram_noise)
+    why = planned.plan.defaults["method.adaptive.bins"]
+    assert why.startswith(f"{bins}: the paper's 20 bins") and "docs/results.md" in why
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"adaptive": {"rule": "dcsgd_e", "bins": 20}},
+        {"adaptive": {"rule": "dcsgd_p"}},
+        {"adaptive": {"rule": "andrew"}},
+        {"clipping": "abadi"},
+    ],
+)
+def test_bins_a_spec_gives_or_another_rule_are_kept(method):
+    planned = _planned(1.0, method)
+    adaptive = planned.spec.method.adaptive
+    assert adaptive is None or adaptive.bins == 20
+    assert "method.adaptive.bins" not in planned.plan.defaults
+
+
+def test_a_searched_batch_size_gets_the_bins_of_its_smallest_batch():
+    searched = {"batch_size": {"grid": [128, 256]}}
+    planned = _planned(2.0, search_space=searched)
+    adaptive = planned.spec.method.adaptive
+    smallest = recipes.histogram_bins(128, adaptive.histogram_noise)
+    assert adaptive.bins == smallest < recipes.histogram_bins(256, adaptive.histogram_noise)
 
 
 @pytest.mark.parametrize("n", [60, 1294, 60_000, 10**6])
