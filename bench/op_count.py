@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import step_overhead  # noqa: E402
 
+from workers.dp.ghost import clipper as ghost_clipper  # noqa: E402
 from workers.dp.ghost import layers as ghost_layers  # noqa: E402
 
 #: operations that make a view of their input: no kernel runs
@@ -120,10 +122,16 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], dict[str, int]]
         torch.set_num_threads(threads)
 
 
-def as_on_cuda() -> Any:
+@contextlib.contextmanager
+def as_on_cuda() -> Iterator[None]:
     """Every convolution's per-sample gradients by the grouped convolution, as CUDA forms them
-    (the first of ``_Faster``'s candidates), not by the faster way on this CPU."""
-    return mock.patch.object(ghost_layers, "_Faster", lambda candidates: candidates[0])
+    (the first of ``_Faster``'s candidates), not by the faster way on this CPU; small per-sample
+    gradients in their group's flat buffer, as on CUDA (``clipper.flat_limit``)."""
+    with (
+        mock.patch.object(ghost_layers, "_Faster", lambda candidates: candidates[0]),
+        mock.patch.object(ghost_clipper, "flat_limit", lambda device: ghost_clipper.FLAT_ELEMENTS),
+    ):
+        yield
 
 
 def _table(

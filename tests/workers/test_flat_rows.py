@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workers.dp import bounds
 from workers.dp.clipping import FlatRows
-from workers.dp.ghost import clipped_grad_sum
+from workers.dp.ghost import clipped_grad_sum, clipper
 from workers.dp.ghost.layers import RULES, Call
 from workers.dp.grads import per_sample_grads
 
@@ -133,8 +133,22 @@ class _Positions(nn.Module):
         return self.head(self.group(h.transpose(1, 2)).mean(-1))
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["cpu_alone", "flat_as_on_cuda"])
 @pytest.mark.parametrize("style", ["all_layer", "layer_wise", "param_wise"])
-def test_kept_embedding_and_group_norm_clip_as_the_exact_per_sample_gradients(style: str) -> None:
+def test_kept_embedding_and_group_norm_clip_as_the_exact_per_sample_gradients(
+    style: str, flat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor alone, as on CPU, and in the group's flat buffer, as on an accelerator
+    (``clipper.flat_limit``)."""
+    if flat:
+        monkeypatch.setattr(clipper, "flat_limit", lambda device: clipper.FLAT_ELEMENTS)
+    buffers: list[int] = []  # the tensors each flat buffer holds
+
+    def flat_rows(parts: list[Tensor]) -> FlatRows:
+        buffers.append(len(parts))
+        return FlatRows(parts)
+
+    monkeypatch.setattr(clipper, "FlatRows", flat_rows)
     torch.manual_seed(0)
     model = _Positions()
     ids = torch.randint(0, 6, (7, 9))
@@ -162,3 +176,4 @@ def test_kept_embedding_and_group_norm_clip_as_the_exact_per_sample_gradients(st
         for name in group:
             expected = torch.tensordot(coef[:, m], grads[name], dims=1)
             torch.testing.assert_close(sums[name], expected, rtol=1e-4, atol=1e-6)
+    assert max(buffers) > 1 if flat and style != "param_wise" else max(buffers) == 1

@@ -27,7 +27,9 @@ A group's instantiated per-sample gradients (kept ones, biases and affine norm p
 (``workers.dp.clipping.FlatRows``): one norm bound, one zeroing of hostile rows, one product for
 all their clipped sums and one operation that adds them into the buffer, a handful of
 operations (kernel launches on a GPU) a group however many tensors it has; large ones
-(``FLAT_ELEMENTS``) and book-kept weights add a bound and a sum each.
+(``FLAT_ELEMENTS``) and book-kept weights add a bound and a sum each. On CPU, where an
+operation costs little beyond its arithmetic and the copy into the buffer a pass over memory,
+each tensor is clipped alone (``flat_limit``).
 
 Hostile records (docs/design.md, invariant 9): norms are float32 upper bounds
 (``workers.dp.bounds``; ``layers.py`` explains the guard that keeps norms over several positions
@@ -78,6 +80,15 @@ MASK_CHUNK_BYTES = 1 << 19
 #: zeroing copy, an ``addmv_``), not copied into their group's flat buffer: that copy of B·n
 #: values would cost a CPU step more than the operations it saves, and double them in memory
 FLAT_ELEMENTS = 1 << 14
+
+
+def flat_limit(device: torch.device) -> int:
+    """Per-sample gradients of fewer values a sample than this join their group's flat buffer:
+    :data:`FLAT_ELEMENTS` on an accelerator, where the buffer saves kernel launches; none on
+    CPU, where its copy cost the cnn's and the transformer's steps more than the operations it
+    saved (docs/performance.md, "CPU step")."""
+    return 0 if device.type == "cpu" else FLAT_ELEMENTS
+
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
 #: only when its leading size differs from B (see the module docstring)
@@ -297,8 +308,8 @@ class _Groups:
 
 def _flats(rows: dict[str, Tensor]) -> list[tuple[FlatRows, list[str]]]:
     """Per-sample gradients of one dtype by name as flat buffers and their names: one buffer of
-    the small ones, each large one alone (``FLAT_ELEMENTS``)."""
-    large = [name for name, g in rows.items() if math.prod(g.shape[1:]) >= FLAT_ELEMENTS]
+    the small ones, each large one alone (:func:`flat_limit`)."""
+    large = [name for name, g in rows.items() if math.prod(g.shape[1:]) >= flat_limit(g.device)]
     small = [name for name in rows if name not in large]
     flats = [(FlatRows([rows[name]]), [name]) for name in large]
     if small:
