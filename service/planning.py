@@ -91,8 +91,8 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
     except ValueError as error:
         hint = f"; the private validation score (noise {noise}) costs part of it" if noise else ""
         raise PlanError("privacy.epsilon", f"{error}{hint}") from None
-    spec, release_default = recipes.fill_release_noise(spec, [(s[0], s[-1]) for s in sized])
-    defaults |= release_default
+    spec, adaptive_default = recipes.fill_adaptive(spec, [(s[0], s[-1]) for s in sized])
+    defaults |= adaptive_default
     _check_defaults(spec, defaults)
     shapes = [_shape(spec, size, delta, noise) for size in sized]
     trial = trial_curve(shapes, noise, _any_one(spec, method))

@@ -206,12 +206,10 @@ def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str
     )
 
 
-def fill_release_noise(
-    spec: JobSpec, shapes: list[tuple[int, float]]
-) -> tuple[JobSpec, dict[str, str]]:
-    """The noise of an adaptive rule's per-step release and, after it, DC-SGD-E's histogram
-    bins (:func:`histogram_bins`), when the spec leaves them out, for a job whose shapes run
-    (batch size, σ); the bins are the smallest batch size's."""
+def fill_adaptive(spec: JobSpec, shapes: list[tuple[int, float]]) -> tuple[JobSpec, dict[str, str]]:
+    """What an adaptive rule's spec leaves out: the noise of its per-step release and, after it,
+    DC-SGD-E's histogram bins (:func:`histogram_bins`), for a job whose shapes run (batch size,
+    σ); the bins are the smallest batch size's."""
     spec, why = _fill_release_noise(spec, shapes)
     spec, bins_why = _fill_bins(spec, min(b for b, _ in shapes))
     return spec, why | bins_why

@@ -162,11 +162,10 @@ def create_app(
         app.state.orchestrator = orchestrator
         poll = partial(_poll, sessions, orchestrator, seen, settings.ray_give_up_s)
         poller = asyncio.create_task(_keep_polling(poll, poll_interval)) if poll_interval else None
-        heap.freeze()
         try:
-            yield
+            with heap.frozen():
+                yield
         finally:
-            heap.unfreeze()
             if poller is not None:
                 poller.cancel()
             engine.dispose()

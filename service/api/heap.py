@@ -5,7 +5,7 @@ schemas: about 200,000) are kept out of cyclic garbage collection (:func:`gc.fre
 Otherwise each full collection scans them all, a pause of a tenth of a second on a small
 machine that the request waiting on it pays: the slowest budget reads and admissions
 (``bench/ledger_reads.py``). So whatever the service loads later must be frozen too: planning's
-PLD code is imported before the freeze (:func:`freeze`), and torch, which only registering a
+PLD code is imported before the freeze (:func:`frozen`), and torch, which only registering a
 dataset needs, is frozen as it is imported (:func:`frozen_imports`)."""
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from contextlib import contextmanager
 PLANNING_MODULES = ("dp_accounting.pld.privacy_loss_distribution",)
 
 
-def freeze() -> None:
-    """Import :data:`PLANNING_MODULES`, then move every object into the permanent generation."""
+@contextmanager
+def frozen() -> Iterator[None]:
+    """While inside, every object that exists at entry is in the permanent generation
+    (:data:`PLANNING_MODULES` imported first); at exit they go back to the collector."""
     for name in PLANNING_MODULES:
         importlib.import_module(name)
     gc.freeze()
-
-
-def unfreeze() -> None:
-    """Give the frozen objects back to the collector (the app's shutdown)."""
-    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager

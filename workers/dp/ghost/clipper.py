@@ -76,19 +76,10 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 Rows = Callable[..., Tensor]
 #: the most bytes of a layer's book-kept inputs zeroed at once (``_Layer.add_sums``)
 MASK_CHUNK_BYTES = 1 << 19
-#: per-sample gradients of at least this many values a sample are clipped alone (a norm, a
-#: zeroing copy, an ``addmv_``), not copied into their group's flat buffer: that copy of B·n
-#: values would cost a CPU step more than the operations it saves, and double them in memory
+#: on an accelerator, per-sample gradients of at least this many values a sample are clipped
+#: alone (a norm, a zeroing copy, an ``addmv_``), not copied into their group's flat buffer:
+#: that copy of B·n values would double them in memory for a few launches saved
 FLAT_ELEMENTS = 1 << 14
-
-
-def flat_limit(device: torch.device) -> int:
-    """Per-sample gradients of fewer values a sample than this join their group's flat buffer:
-    :data:`FLAT_ELEMENTS` on an accelerator, where the buffer saves kernel launches; none on
-    CPU, where its copy cost the cnn's and the transformer's steps more than the operations it
-    saved (docs/performance.md, "CPU step")."""
-    return 0 if device.type == "cpu" else FLAT_ELEMENTS
-
 
 #: the fallback reason of a layer called on something other than a per-sample batch: detected
 #: only when its leading size differs from B (see the module docstring)
@@ -304,6 +295,14 @@ class _Groups:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
         return torch.stack([self.norms[m] for m in range(len(self.bounds))], 1)
+
+
+def flat_limit(device: torch.device) -> int:
+    """Per-sample gradients of fewer values a sample than this join their group's flat buffer:
+    :data:`FLAT_ELEMENTS` on an accelerator, where the buffer saves kernel launches; none on
+    CPU, where its copy cost the cnn's and the transformer's steps more than the operations it
+    saved (docs/performance.md, "CPU step")."""
+    return 0 if device.type == "cpu" else FLAT_ELEMENTS
 
 
 def _flats(rows: dict[str, Tensor]) -> list[tuple[FlatRows, list[str]]]:
