@@ -43,5 +43,6 @@ def frozen_imports() -> Iterator[None]:
     collector they would lengthen every full collection after."""
     loaded = len(sys.modules)
     yield
-    if gc.get_freeze_count() and len(sys.modules) > loaded:
+    # the count of frozen objects walks them all: asked only once something was loaded
+    if len(sys.modules) > loaded and gc.get_freeze_count():
         gc.freeze()

@@ -15,6 +15,7 @@ migrations run in one transaction holding a lock (PostgreSQL: an advisory lock; 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +43,16 @@ def _config() -> Config:
     return config
 
 
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    """The migrations, read once: they are this version's own files (each read imports every
+    migration module again)."""
+    return ScriptDirectory.from_config(_config())
+
+
 def head_revision() -> str:
     """The revision this version of dptune needs: the newest migration."""
-    head = ScriptDirectory.from_config(_config()).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None, "no migrations"
     return head
 
@@ -96,7 +104,7 @@ def _known_revision(connection: Connection, head: str) -> str | None:
                 "dptune created"
             )
         return None
-    known = {script.revision for script in ScriptDirectory.from_config(_config()).walk_revisions()}
+    known = {script.revision for script in _scripts().walk_revisions()}
     if current not in known:
         raise StartupError(
             f"dptune: the database schema is at revision {current}, which this version does "
