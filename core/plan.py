@@ -47,7 +47,7 @@ class ScalingPlan(BaseModel):
 
     levels: list[Level]
     final: Level
-    cheap_epsilon: float  # all cheap runs (every attempt reserved) composed, at the job's δ
+    cheap_epsilon: float  # all cheap runs (every attempt reserved), their RDP composed, at δ
 
 
 def score_std(noise: float, fraction: float, size: int) -> float:

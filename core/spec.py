@@ -366,8 +366,8 @@ class Scaling(Strict):
     fitted through the levels (on a log scale, :func:`runner.search.fit_slope`), and one final
     run trains at the ε the budget leaves with lr = a·ε_f/T. Every
     run is a fixed mechanism and the final lr is chosen from released DP outputs
-    (post-processing), so the job costs the RDP composition of all its runs, and every run's
-    outputs are shown."""
+    (post-processing), so the job costs the composition of all its runs (RDP or PLD, the
+    smaller: ``service.scaling``), and every run's outputs are shown."""
 
     levels: (
         Annotated[
@@ -525,7 +525,8 @@ class JobSpec(Strict):
         "`log_uniform` with `privacy.trials` draws) and no `proxy`: cheap runs of every "
         "learning rate at small privacy levels, then one final run, the released one, at the "
         "ε the budget leaves with the learning rate their best scores extrapolate to "
-        "(Panda et al., ICML 2024). The job is charged every run's curve; every run is shown.",
+        "(Panda et al., ICML 2024). The job is charged the composition of every run (RDP or "
+        "PLD, whichever is smaller); every run is shown.",
     )
 
     @model_validator(mode="before")

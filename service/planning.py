@@ -419,12 +419,12 @@ def _tuning_method(
 def _fixed_k(
     spec: JobSpec, dataset: Dataset, delta: float, session: Session
 ) -> tuple[accounting.Rdp, dict[str, str]]:
-    """K fixed trials, every reserved retry counted, and, for a job of one shape, the δ of its
-    PLD statement (:class:`core.accounting.Rdp`; several shapes, or a scaling job's runs at
-    several σs: RDP alone)."""
+    """K fixed trials, every reserved retry counted, and, for a job of one shape (a scaling
+    job's runs are of one shape at several σs), the δ of its PLD statement
+    (:class:`core.accounting.Rdp`; a grid of shapes: RDP alone)."""
     privacy = spec.privacy
     trials = spec.trial_count() * (1 + privacy.max_retries)
-    one_shape = len(spec.shape_grid()) == 1 and spec.scaling is None
+    one_shape = len(spec.shape_grid()) == 1
     pld_delta = _statement_delta(privacy, dataset, session, delta) if one_shape else None
     method = accounting.Rdp(trials=trials, pld_delta=pld_delta)
     if pld_delta is None or privacy.delta is not None:

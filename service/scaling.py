@@ -4,11 +4,14 @@ ICML 2024; the spec's ``scaling``, :class:`core.spec.Scaling`).
 
 Every run is a fixed mechanism — every candidate learning rate at each level, then the one
 final run, whose lr the runner computes from the cheap runs' released DP scores
-(post-processing) — so the job costs exactly the RDP composition of all its runs, every
-reserved retry included: C·(1 + retries) runs at each level and 1 + retries final runs, their
-curves summed (not K times the largest). The final run's σ is calibrated so that this sum
-lands at or just below the job's target ε at its δ; the cheap levels' σs come first, from the
-analyst's per-run εs or, by default, from the share of the target they may take.
+(post-processing) — so the job costs exactly the composition of all its runs, every reserved
+retry included: C·(1 + retries) runs at each level and 1 + retries final runs. It is stated
+by the smaller of two sound bounds, as a fixed-K job of one shape is
+(:class:`core.accounting.Rdp`): their RDP curves summed (not K times the largest), and their
+pessimistic PLDs composed, at the δ of the ledger's second route. The final run's σ is
+calibrated so that the job lands at or just below its target ε; the cheap levels' σs come
+first, from the analyst's per-run εs or, by default, from the share of the target their RDP
+composition may take.
 """
 
 from __future__ import annotations
@@ -37,23 +40,37 @@ SIGMA_MIN, SIGMA_MAX = accounting.calibration.SIGMA_MIN, accounting.calibration.
 
 def plan_scaling(planned: planning.PlannedJob) -> planning.PlannedJob:
     """The scaling job ``planned`` as a fixed-K job of one shape was planned (its shape,
-    δ, validation noise and defaults), given one shape per level and the final run's, and
-    the reservation of their exact composition."""
+    δ, validation noise, PLD statement's δ and defaults), given one shape per level and the
+    final run's, and the reservation of their exact composition."""
     spec, plan = planned.spec, planned.plan
-    assert spec.scaling is not None
+    assert spec.scaling is not None and isinstance(plan.method, accounting.Rdp)
     [shape] = plan.shapes
     delta, noise = plan.delta, plan.validation_noise
     attempts = 1 + spec.privacy.max_retries
-    runs = spec.candidate_count() * attempts  # reserved runs of each cheap level
-    sigmas, defaults = _level_noise(spec, shape, delta, noise, runs)
-    cheap = runs * accounting.compose(*(_curve(shape, s, noise) for s in sigmas))
-    final = _final_noise(spec, shape, delta, noise, cheap)
+    candidates = spec.candidate_count()
+    sigmas, defaults = _level_noise(spec, shape, delta, noise, candidates * attempts)
+    cheap_runs = [_mechanism(shape, s, noise) for s in sigmas for _ in range(candidates)]
+    cheap = candidates * attempts * accounting.compose(*(_curve(shape, s, noise) for s in sigmas))
+    count = spec.trial_count()
+    method = accounting.Rdp(trials=count * attempts, pld_delta=plan.method.pld_delta)
+
+    def job(final: float) -> tuple[np.ndarray, list[accounting.TrialMechanism]]:
+        """The job's runs composed (their curves summed) and the runs, the final one at σ
+        ``final``."""
+        last = _mechanism(shape, final, noise)
+        return cheap + attempts * last.rdp(), [*cheap_runs, last]
+
+    def cost(final: float) -> float:
+        total, runs = job(final)
+        return method.epsilon(total / method.trials, delta, runs)
+
+    final = _final_noise(spec, cost)
     shapes = [
         _level_shape(spec, shape, sigma, delta, noise, level)
         for level, sigma in enumerate([*sigmas, final])
     ]
-    total = cheap + attempts * _curve(shape, final, noise)
-    count = spec.trial_count()
+    total, mechanisms = job(final)
+    trial = total / method.trials
 
     def level(run: Shape, trials: int) -> Level:
         return Level(
@@ -67,31 +84,39 @@ def plan_scaling(planned: planning.PlannedJob) -> planning.PlannedJob:
         "gradient_noise_multiplier": None,
         "shapes": shapes,
         "trials": TrialCount(distribution="fixed", mean=count, max=count),
-        "attempts_reserved": count * attempts,
+        "attempts_reserved": method.trials,
         "trial_epsilon": max(s.trial_epsilon for s in shapes),
-        "epsilon": accounting.epsilon_from_rdp(total, delta)[0],
-        "method": accounting.Rdp(trials=count * attempts),  # runs of several σs: RDP alone
-        "bound": "rdp",
+        "epsilon": method.epsilon(trial, delta, mechanisms),
+        "method": method,
+        "bound": method.bound(trial, delta, mechanisms),
         "defaults": plan.defaults | defaults,
         "scaling": ScalingPlan(
-            levels=[level(s, spec.candidate_count()) for s in shapes[:-1]],
+            levels=[level(s, candidates) for s in shapes[:-1]],
             final=level(shapes[-1], 1),
             cheap_epsilon=accounting.epsilon_from_rdp(cheap, delta)[0],
         ),
     }
+    pld = method.charge(trial, delta, spec.privacy.epsilon, mechanisms).pld
     return replace(
-        planned, plan=plan.model_copy(update=update), reservation=accounting.Charge(rdp=total)
+        planned,
+        plan=plan.model_copy(update=update),
+        reservation=accounting.Charge(rdp=total, pld=pld),
     )
 
 
-def _curve(shape: Shape, sigma: float, noise: float | None) -> np.ndarray:
-    """One run's curve at the job's shape and noise ``sigma``."""
+def _mechanism(shape: Shape, sigma: float, noise: float | None) -> accounting.TrialMechanism:
+    """One run at the job's shape and noise ``sigma``."""
     return accounting.TrialMechanism(
         sample_rate=shape.sample_rate,
         noise_multiplier=sigma,
         steps=shape.steps,
         validation_noise=noise,
-    ).rdp()
+    )
+
+
+def _curve(shape: Shape, sigma: float, noise: float | None) -> np.ndarray:
+    """One run's curve at the job's shape and noise ``sigma``."""
+    return _mechanism(shape, sigma, noise).rdp()
 
 
 def _level_noise(
@@ -178,29 +203,16 @@ def _bracket(gap: Callable[[float], float], log_min: float, log_max: float) -> t
     return x, x + step
 
 
-def _final_noise(
-    spec: JobSpec, shape: Shape, delta: float, noise: float | None, cheap: np.ndarray
-) -> float:
-    """σ of the final run: its 1 + retries attempts, composed with the cheap runs (``cheap``,
-    their curves summed), cost the job's ε at δ. Calibrated as 1 + retries trials that each
-    carry their part of ``cheap``."""
-    attempts = accounting.Rdp(trials=1 + spec.privacy.max_retries)
-    target = spec.privacy.epsilon
-    if accounting.epsilon_from_rdp(cheap, delta)[0] >= target:
-        field = "scaling.levels" if spec.scaling and spec.scaling.levels else "scaling.share"
-        raise planning.PlanError(field, f"the cheap runs alone cost the job's ε {target:g}")
+def _final_noise(spec: JobSpec, cost: Callable[[float], float]) -> float:
+    """σ of the final run: the job's ε at δ, ``cost`` of that σ (every run composed, the
+    smaller of RDP and PLD), lands at or just below the job's target."""
     try:
-        return accounting.calibrate_noise(
-            shape.sample_rate,
-            shape.steps,
-            target,
-            delta,
-            attempts,
-            extra_rdp=cheap / attempts.trials,
-            validation_noise=noise,
-        )
-    except ValueError as error:
-        raise planning.PlanError("privacy.epsilon", str(error)) from None
+        return accounting.solve_noise(cost, spec.privacy.epsilon)
+    except ValueError:
+        field = "scaling.levels" if spec.scaling and spec.scaling.levels else "scaling.share"
+        raise planning.PlanError(
+            field, f"the cheap runs leave nothing of the job's ε {spec.privacy.epsilon:g}"
+        ) from None
 
 
 def _level_shape(

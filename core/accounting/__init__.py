@@ -4,7 +4,7 @@ Pure functions, no state: the ledger (``service/``) stores charges and recompute
 :func:`dataset_epsilon`.
 """
 
-from core.accounting.calibration import calibrate_noise
+from core.accounting.calibration import calibrate_noise, solve_noise
 from core.accounting.charges import Charge, dataset_epsilon, trial_rdp
 from core.accounting.methods import (
     CAP_DELTA_SHARE,
@@ -62,6 +62,7 @@ __all__ = [
     "liu_talwar",
     "ps_epsilon",
     "rdp_curve",
+    "solve_noise",
     "split_noise",
     "trial_rdp",
     "trials_tail",

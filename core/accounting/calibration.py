@@ -18,7 +18,7 @@ RELATIVE_TOLERANCE = 1e-3
 SIGMA_MIN, SIGMA_MAX = 1e-2, 1e4
 
 
-def _solve(cost: Callable[[float], float], target: float) -> float:
+def solve_noise(cost: Callable[[float], float], target: float) -> float:
     """Largest-cost σ with cost(σ) ≤ target, to the relative tolerance, for a cost that
     decreases in σ. The root is bracketed and then found by regula falsi in (log σ, log ε)
     with the Illinois modification (Dowell & Jarratt, "A modified regula falsi method for
@@ -116,4 +116,4 @@ def calibrate_noise(
         )
         return charged.epsilon(curve, delta, (trial,))
 
-    return _solve(cost, target)
+    return solve_noise(cost, target)

@@ -25,6 +25,7 @@ place that turns a kind and its parameters into a value.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
@@ -107,15 +108,18 @@ class _Method(BaseModel):
     random_stopping: ClassVar[bool]
 
 
-#: the largest RDP ε at which a job's PLD or privacy-profile bound is computed: the spec's largest ε
-PROFILE_MAX_EPSILON = 100.0
+#: the largest RDP ε at which a job's PLD or privacy-profile bound is computed: four times the
+#: spec's largest ε (100), so that calibrating toward any target sees the smaller bound wherever
+#: it could be below the target (a PLD at RDP 400 stayed above 188 on the shapes tried, q
+#: 0.01–1, T 1–1000); past it the cost jumps back to RDP's, which is sound, only looser
+PROFILE_MAX_EPSILON = 400.0
 
 
 def _with_second(rdp: float, second: Callable[[], float]) -> tuple[float, float]:
     """A job's ε by RDP and by its second bound (PLD, privacy profile); the second is not
-    computed where RDP exceeds :data:`PROFILE_MAX_EPSILON`: no job is planned there, and a
-    trial's PLD grows with its privacy loss (at σ = 0.01 it takes minutes and gigabytes),
-    which calibration's first brackets would otherwise pay for."""
+    computed where RDP exceeds :data:`PROFILE_MAX_EPSILON`: a trial's PLD grows with its
+    privacy loss (at σ = 0.01 it takes minutes and gigabytes), which calibration's first
+    brackets would otherwise pay for."""
     return (rdp, math.inf) if rdp > PROFILE_MAX_EPSILON else (rdp, second())
 
 
@@ -133,9 +137,12 @@ class Rdp(_Method):
     its K-fold composition (dp-accounting's ``PLDAccountant`` arithmetic, Doroshenko et al.,
     "Connect the Dots", PETS 2022): an (ε, δ) statement at that δ (at most the job's), an upper
     bound as every pessimistic PLD is. The job's ε at δ is the smaller of the two (:meth:`bound`),
-    and its charge carries the PLD pair as the ledger's second route (``Charge.pld``). Only
-    for a job of one shape: with several, a trial runs any one of them and its PLD is not one
-    self-composition, so such a job is stated by RDP alone. None: RDP alone."""
+    and its charge carries the PLD pair as the ledger's second route (``Charge.pld``). The runs
+    are the multiset ``mechanisms`` (each trial's, every entry run ``trials``/len times: one
+    shape K times, a scaling job's levels and final run by their counts); their PLDs compose
+    adaptively too, each being a fixed mechanism's dominating pair (Zhu, Dong & Wang, "Optimal
+    Accounting of Differential Privacy via Characteristic Function", AISTATS 2022, Theorem 10).
+    The planner states a grid of shapes by RDP alone. None: RDP alone."""
 
     kind: Literal["rdp"] = "rdp"
     trials: int = Field(ge=1)
@@ -147,12 +154,16 @@ class Rdp(_Method):
         return self.trials
 
     def pld_epsilon(self, delta: float, mechanisms: Mechanisms) -> float:
-        """ε at min(δ, ``pld_delta``) of the K-fold composition's pessimistic PLD; ``inf``
-        where it does not apply (no ``pld_delta``, or not exactly one shape given)."""
-        shapes = tuple(dict.fromkeys(m.profile_trial() for m in mechanisms))
-        if self.pld_delta is None or len(shapes) != 1:
+        """ε at min(δ, ``pld_delta``) of the job's runs' pessimistic PLDs composed, ``mechanisms``
+        being its trials' as a multiset, each entry run trials/len(``mechanisms``) times (one
+        shape: K times); ``inf`` where it does not apply (no ``pld_delta``, no mechanisms, or
+        a count they do not divide)."""
+        if self.pld_delta is None or not mechanisms or self.trials % len(mechanisms):
             return math.inf
-        return profile.composed_epsilon(shapes[0], self.trials, min(self.pld_delta, delta))
+        per = self.trials // len(mechanisms)
+        counts = Counter(m.profile_trial() for m in mechanisms)
+        runs = tuple((trial, n * per) for trial, n in counts.items())
+        return profile.composed_epsilon(runs, min(self.pld_delta, delta))
 
     def _bounds(
         self, trial: np.ndarray, delta: float, mechanisms: Mechanisms

@@ -208,12 +208,23 @@ def profile_epsilon(
     return selection_epsilon(profile, delta, mean, eta, tail)
 
 
-@functools.lru_cache(maxsize=256)
-def composed_epsilon(trial: Trial, count: int, delta: float) -> float:
-    """ε at δ of ``count`` runs of one trial (q, σ, T, validation noise), composed: the
-    ``count``-fold self-composition of its pessimistic PLD (:func:`trial_pld`), an upper bound
-    on the composition's privacy profile. Memoized: a plan states, charges and reports the same
-    job's bound, and calibration revisits its σs."""
+@functools.lru_cache(maxsize=16)
+def _runs_pld(trial: Trial, count: int) -> PrivacyLossDistribution:
+    """The ``count``-fold self-composition of one trial's PLD. Memoized: calibrating a job's
+    last runs composes them with the same earlier runs again and again."""
     pld = trial_pld(*trial)
-    composed = pld if count == 1 else pld.self_compose(checks.count("count", count))
+    return pld if count == 1 else pld.self_compose(checks.count("count", count))
+
+
+@functools.lru_cache(maxsize=256)
+def composed_epsilon(runs: tuple[tuple[Trial, int], ...], delta: float) -> float:
+    """ε at δ of runs composed: each (q, σ, T, validation noise) run ``count`` times, the
+    composition of their pessimistic PLDs (:func:`trial_pld`), an upper bound on the
+    composition's privacy profile (a fixed mechanism per run, whatever earlier runs released:
+    adaptive composition). Memoized: a plan states, charges and reports the same job's bound,
+    and calibration revisits its σs."""
+    if not runs:
+        raise ValueError("a composition needs at least one run")
+    first, *rest = (_runs_pld(trial, checks.count("count", count)) for trial, count in runs)
+    composed = functools.reduce(lambda a, b: a.compose(b), rest, first)
     return float(composed.get_epsilon_for_delta(checks.probability("delta", delta)))

@@ -122,7 +122,7 @@ def test_the_job_is_stated_by_the_smaller_bound(
     q: float, sigma: float, steps: int, trials: int
 ) -> None:
     """ε = min(RDP, PLD); the charge is today's curve with the PLD statement as its second
-    route; without ``pld_delta``, or with several shapes, RDP alone (today's)."""
+    route; without ``pld_delta``, or with runs the count does not divide, RDP alone."""
     delta = 1e-5
     trial = TrialMechanism(sample_rate=q, noise_multiplier=sigma, steps=steps)
     curve = rdp_curve(q, sigma, steps)
@@ -135,12 +135,13 @@ def test_the_job_is_stated_by_the_smaller_bound(
     charge = method.charge(curve, delta, 10.0, [trial])
     assert charge.pld == (by_pld, delta) and charge.eps_delta is None
     assert np.array_equal(charge.rdp, trials * curve)
+    plain = Rdp(trials=trials)
+    assert plain.epsilon(curve, delta, [trial]) == by_rdp
+    assert plain.bound(curve, delta, [trial]) == "rdp"
+    assert plain.charge(curve, delta, 10.0, [trial]).pld is None
     other = TrialMechanism(sample_rate=q, noise_multiplier=sigma * 2, steps=steps)
-    for plain in (Rdp(trials=trials), method):
-        shapes = [trial] if plain is not method else [trial, other]
-        assert plain.epsilon(curve, delta, shapes) == by_rdp
-        assert plain.bound(curve, delta, shapes) == "rdp"
-        assert plain.charge(curve, delta, 10.0, shapes).pld is None
+    odd = Rdp(trials=trials + 1, pld_delta=delta)  # two runs do not divide an odd count
+    assert odd.pld_epsilon(delta, [trial, other]) == math.inf
 
 
 def test_the_statement_is_at_most_the_jobs_delta() -> None:
@@ -175,3 +176,20 @@ def test_a_ps_charge_carries_its_profile_bound_as_the_second_route(sigma: float)
     else:
         today = method.model_copy(update={"profile_delta": None}).charge(curve, delta, 10.0)
         assert charge.eps_delta == today.eps_delta and np.array_equal(charge.rdp, today.rdp)
+
+
+@pytest.mark.parametrize(
+    ("sigmas", "trials"), [((1.0, 2.0), 4), ((0.9, 0.9, 3.0), 3), ((2.0, 5.0, 1.5), 6)]
+)
+@pytest.mark.parametrize("delta", [1e-3, 1e-6])
+def test_a_multiset_of_runs_is_the_analytic_gaussian_of_their_composition(
+    sigmas: tuple[float, ...], trials: int, delta: float
+) -> None:
+    """Runs at several σs (a scaling job's levels and final run): each listed mechanism runs
+    trials/len times, and Gaussians of σᵢ composed are the Gaussian of (Σ 1/σᵢ²)^(-1/2)."""
+    runs = [TrialMechanism(sample_rate=1.0, noise_multiplier=s, steps=1) for s in sigmas]
+    per = trials // len(sigmas)
+    composed = sum(per / s**2 for s in sigmas) ** -0.5
+    exact = solve(lambda e: gaussian_delta(e, composed), delta)
+    got = Rdp(trials=trials, pld_delta=delta).pld_epsilon(delta, runs)
+    assert exact <= got <= exact + SLACK

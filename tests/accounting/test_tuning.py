@@ -300,7 +300,7 @@ def test_calibration_falls_back_to_halving_where_the_cost_jumps() -> None:
         seen[sigma] = eps
         return eps
 
-    sigma = calibration._solve(cost, 0.27)
+    sigma = calibration.solve_noise(cost, 0.27)
     assert sigma in seen
     assert 0.27 * (1 - 1e-3) <= seen[sigma] <= 0.27
 
