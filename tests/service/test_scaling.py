@@ -11,6 +11,9 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from core.accounting import ORDERS
@@ -241,3 +244,32 @@ def test_a_share_the_validation_scores_alone_exceed_is_refused(api, dataset, ana
     body["privacy"]["epsilon"] = 0.5  # 4 private scores at noise 20 cost more than 0.025
     r = api.client.post("/v1/plans", headers=ana, json=body)
     assert r.status_code == 422 and "scaling.share" in r.text, r.text
+
+
+@pytest.mark.parametrize("database_url", [None], ids=["sqlite"])  # planning reads no rows
+@hypothesis_settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    epsilon=st.floats(0.05, 100.0),
+    share=st.floats(0.01, 0.99),
+    retries=st.integers(0, 3),
+    split=st.sampled_from(["public", "private"]),
+)
+def test_any_scaling_plan_lands_at_its_target_or_names_the_field(
+    api, dataset, ana, epsilon, share, retries, split, database_url
+):
+    """Whatever the analyst's numbers, the job's statement — the smaller of RDP and PLD, whose
+    cost jumps back to RDP's where PLD is not computed — is calibrated to at most its target
+    and at least 0.99 of it, or the plan is refused naming the field at fault."""
+    body = _scaling_spec(dataset["id"], scaling={"share": share})
+    body["privacy"] = {"epsilon": epsilon, "accounting": "rdp", "max_retries": retries}
+    body["validation"] = {"split": split} | ({"noise": 20.0} if split == "private" else {})
+    r = api.client.post("/v1/plans", headers=ana, json=body)
+    if r.status_code == 422:
+        assert {e["field"] for e in r.json()["errors"]} <= {"scaling.share", "privacy.epsilon"}
+        return
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert 0.99 * epsilon <= plan["epsilon"] <= epsilon
+    assert plan["bound"] in {"pld", "rdp"}
