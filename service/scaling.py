@@ -49,8 +49,9 @@ def plan_scaling(planned: planning.PlannedJob) -> planning.PlannedJob:
     attempts = 1 + spec.privacy.max_retries
     candidates = spec.candidate_count()
     sigmas, defaults = _level_noise(spec, shape, delta, noise, candidates * attempts)
-    cheap_runs = [_mechanism(shape, s, noise) for s in sigmas for _ in range(candidates)]
-    cheap = candidates * attempts * accounting.compose(*(_curve(shape, s, noise) for s in sigmas))
+    level_runs = [_mechanism(shape, s, noise) for s in sigmas]
+    cheap_runs = [run for run in level_runs for _ in range(candidates)]
+    cheap = candidates * attempts * accounting.compose(*(run.rdp() for run in level_runs))
     count = spec.trial_count()
     method = accounting.Rdp(trials=count * attempts, pld_delta=plan.method.pld_delta)
 

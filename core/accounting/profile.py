@@ -225,6 +225,6 @@ def composed_epsilon(runs: tuple[tuple[Trial, int], ...], delta: float) -> float
     and calibration revisits its σs."""
     if not runs:
         raise ValueError("a composition needs at least one run")
-    first, *rest = (_runs_pld(trial, checks.count("count", count)) for trial, count in runs)
+    first, *rest = (_runs_pld(trial, count) for trial, count in runs)
     composed = functools.reduce(lambda a, b: a.compose(b), rest, first)
     return float(composed.get_epsilon_for_delta(checks.probability("delta", delta)))
