@@ -176,13 +176,20 @@ def _first_sigma(shape: Shape, delta: float, noise: float | None, runs: int, goa
 
     if gap(math.log(SIGMA_MIN)) <= 0:
         return SIGMA_MIN  # a share looser than any noise the planner would recommend
-    low, high = _bracket(gap, math.log(SIGMA_MIN), math.log(SIGMA_MAX))
+    why = (
+        "their private validation scores alone may"
+        if noise is not None
+        else f"{runs} runs at each level are too many for so small a share"
+    )
+    low, high = _bracket(gap, math.log(SIGMA_MIN), math.log(SIGMA_MAX), why)
     return math.exp(brentq(gap, low, high, xtol=1e-4))
 
 
-def _bracket(gap: Callable[[float], float], log_min: float, log_max: float) -> tuple[float, float]:
+def _bracket(
+    gap: Callable[[float], float], log_min: float, log_max: float, why: str
+) -> tuple[float, float]:
     """(low, high) in ln σ with gap(low) > 0 ≥ gap(high), from σ = 1 by doubling or halving
-    (gap(``log_min``) > 0)."""
+    (gap(``log_min``) > 0); none: the plan is refused, saying ``why``."""
     step = math.log(2)
     x, value = 0.0, gap(0.0)
     while value > 0:  # too little noise: double σ
@@ -190,8 +197,7 @@ def _bracket(gap: Callable[[float], float], log_min: float, log_max: float) -> t
         if x > log_max:
             raise planning.PlanError(
                 "scaling.share",
-                "the cheap runs cost more than their share of ε even at σ "
-                f"{SIGMA_MAX:g} (their private validation scores alone may)",
+                f"the cheap runs cost more than their share of ε even at σ {SIGMA_MAX:g} ({why})",
             )
         value = gap(x)
         if value <= 0:

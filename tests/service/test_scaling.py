@@ -244,6 +244,21 @@ def test_a_share_the_validation_scores_alone_exceed_is_refused(api, dataset, ana
     body["privacy"]["epsilon"] = 0.5  # 4 private scores at noise 20 cost more than 0.025
     r = api.client.post("/v1/plans", headers=ana, json=body)
     assert r.status_code == 422 and "scaling.share" in r.text, r.text
+    assert "private validation scores alone" in r.text
+
+
+def test_a_share_too_small_for_its_runs_is_refused_saying_so(api, dataset, ana):
+    """With public validation no score costs ε: what a share of 0.01 of ε = 0.05 cannot pay
+    for is the 8 runs at each level (2 candidates, 3 retries each) even at the largest σ."""
+    body = _scaling_spec(dataset["id"], scaling={"share": 0.01})
+    body["privacy"] = {"epsilon": 0.05, "accounting": "rdp", "max_retries": 3}
+    body["validation"] = {"split": "public"}
+    r = api.client.post("/v1/plans", headers=ana, json=body)
+    assert r.status_code == 422, r.text
+    [error] = r.json()["errors"]
+    assert error["field"] == "scaling.share"
+    assert "8 runs at each level are too many" in error["message"]
+    assert "validation" not in error["message"]
 
 
 @pytest.mark.parametrize("database_url", [None], ids=["sqlite"])  # planning reads no rows
