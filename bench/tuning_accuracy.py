@@ -47,7 +47,8 @@ batch size and epochs, its learning rate searched over :data:`SCALING_LRS` as th
 rate at two cheap privacy levels, then one final run at the rate their best scores
 extrapolate to; ``rdp`` only, as the product allows; its reference, ``--reference scaling``,
 trains each rate alone at the full ε, the full-budget sweep its final rate is compared
-with). Otherwise the learning rate is not searched (paper 001 searches it too; here it is
+with); "scaling-m" the same with momentum 0.9 over :data:`SCALING_MOMENTUM_LRS`. Otherwise
+the learning rate is not searched (paper 001 searches it too; here it is
 fixed per dataset). Each method is charged three ways:
 
 - ``rdp``: a grid search, K = grid size (one-run methods: K = 1);
@@ -115,6 +116,10 @@ QUICK_THRESHOLDS = [0.1, 1.0, 10.0]
 #: half-decades from the recipe's SGD rate 0.5/C at C = 1 (``service/recipes.py``) up
 SCALING_SGD = {"name": "sgd"}
 SCALING_LRS = [0.3, 1.0, 3.0]
+#: the same with heavy-ball momentum 0.9 (a step travels lr/(1 − 0.9) in the long run: rates a
+#: tenth of plain SGD's)
+SCALING_MOMENTUM = {"name": "sgd", "momentum": 0.9}
+SCALING_MOMENTUM_LRS = [0.03, 0.1, 0.3]
 ACCOUNTINGS = ("rdp", "lt", "ps")
 TERMINAL = ("released", "succeeded", "failed", "cancelled")
 
@@ -170,6 +175,13 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
             recipe=("batch_size", "epochs"),
             scaling=True,
             optimizer=SCALING_SGD,
+        ),
+        "scaling-m": Method(
+            {"clipping": "abadi", "threshold": 1.0},
+            {"optimizer.lr": SCALING_MOMENTUM_LRS},
+            recipe=("batch_size", "epochs"),
+            scaling=True,
+            optimizer=SCALING_MOMENTUM,
         ),
     }
 

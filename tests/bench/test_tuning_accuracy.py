@@ -49,7 +49,7 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
         assert spec.proxy == (9 if name == "proxy" else None)
         if name == "proxy":
             assert spec.trial_count() == 1 and spec.candidate_count() == k
-        elif name == "scaling":  # every rate at two levels, then the final run
+        elif method.scaling:  # every rate at two levels, then the final run
             assert spec.trial_count() == 2 * k + 1 and spec.scaling is not None
         elif accounting == "rdp":
             assert spec.trial_count() == k and spec.seed == 3
@@ -58,10 +58,10 @@ def test_every_method_is_a_valid_spec_with_the_grid_size_as_its_trial_count(
         else:
             assert (spec.privacy.mean, spec.privacy.eta) == (k, 1)
         assert k == (
-            1 if name in ONE_RUN else 9 if name == "shape" else 3 if name == "scaling" else 10
+            1 if name in ONE_RUN else 9 if name == "shape" else 3 if method.scaling else 10
         )
         recipe = name in ("recipe", "default")
-        shape = name in ("recipe", "default", "scaling")  # batch size and epochs: the recipes'
+        shape = recipe or method.scaling  # batch size and epochs: the recipes'
         assert (spec.batch_size is None, spec.epochs is None) == (shape, shape)
         assert ("lr" in raw["optimizer"]) != recipe
         assert ("method" in raw) != (name == "default")  # the planner's default method
