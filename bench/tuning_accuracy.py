@@ -169,21 +169,20 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
         ),
         "default": Method({}, recipe=("method", "batch_size", "epochs", "optimizer.lr")),
         "proxy": Method({"clipping": "abadi"}, {"method.threshold": thresholds}, proxy=True),
-        "scaling": Method(
-            {"clipping": "abadi", "threshold": 1.0},
-            {"optimizer.lr": SCALING_LRS},
-            recipe=("batch_size", "epochs"),
-            scaling=True,
-            optimizer=SCALING_SGD,
-        ),
-        "scaling-m": Method(
-            {"clipping": "abadi", "threshold": 1.0},
-            {"optimizer.lr": SCALING_MOMENTUM_LRS},
-            recipe=("batch_size", "epochs"),
-            scaling=True,
-            optimizer=SCALING_MOMENTUM,
-        ),
+        "scaling": _scaling(SCALING_LRS, SCALING_SGD),
+        "scaling-m": _scaling(SCALING_MOMENTUM_LRS, SCALING_MOMENTUM),
     }
+
+
+def _scaling(rates: list[float], optimizer: dict[str, Any]) -> Method:
+    """A scaling job of DP-SGD at C = 1 over these rates, at the recipe's batch size and epochs."""
+    return Method(
+        {"clipping": "abadi", "threshold": 1.0},
+        {"optimizer.lr": rates},
+        recipe=("batch_size", "epochs"),
+        scaling=True,
+        optimizer=optimizer,
+    )
 
 
 @dataclass
