@@ -825,9 +825,11 @@ def _label(run: Run) -> str:
 
 def _done(run: Run) -> str:
     acc = "—" if run.accuracy is None else f"{100 * run.accuracy:.1f}%"
+    # a plan of several shapes (or levels) has no one σ
+    sigma = "—" if run.noise_multiplier is None else f"{run.noise_multiplier:.2f}"
     return (
         f"{_label(run)}: job {run.job} {run.status} acc {acc} trials {run.trials} "
-        f"σ {run.noise_multiplier or 0:.2f} ε/trial {run.trial_epsilon or 0:.2f} "
+        f"σ {sigma} ε/trial {run.trial_epsilon or 0:.2f} "
         f"wall {run.wall_s or 0:.0f} s run {run.run_s or 0:.0f} s"
         + (f" released {run.released}" if run.released else "")
         + (f" error {run.error[:300]}" if run.error and run.status != "released" else "")

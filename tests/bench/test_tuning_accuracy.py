@@ -288,3 +288,9 @@ def test_reports_of_several_runs_merge_into_one(ta) -> None:
     ]
     assert set(out["datasets"]) == {"digits", "mnist1d"}
     assert one["args"]["datasets"] == ["digits"]  # the inputs are left as they were
+
+
+def test_a_run_line_shows_a_sigma_only_where_the_plan_has_one(ta) -> None:
+    one = ta.Run("digits", "recipe", "rdp", 1.0, 0, status="released", noise_multiplier=6.876)
+    levels = ta.Run("digits", "scaling", "rdp", 1.0, 0, status="released")  # several σs
+    assert " σ 6.88 " in ta._done(one) and " σ — " in ta._done(levels)
