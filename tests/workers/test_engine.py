@@ -282,6 +282,9 @@ def test_a_dead_noise_child_fails_the_step_that_needs_its_noise(make_step):
     step = ahead_step(make_step)
     gradients(step, 1)  # the next step's draw is asked for
     os.kill(step.ahead.pid, signal.SIGKILL)
+    # a kill is asynchronous: until the child is dead its pipes are open, and a step that finds
+    # its draw made (its reply already in the pipe) could still ask for the next one unharmed
+    os.waitpid(step.ahead.pid, 0)
     with pytest.raises(NoiseChildError, match="exited"):
         gradients(step, 1)
 
