@@ -12,7 +12,7 @@ under each rule, until one is refused; it prints how many jobs each rule admits 
 the admitted ones compose to under today's rule. Route A (RDP curves) only: the rules differ
 in the order, not in the route.
 
-    python bench/filter_cost.py                       # budgets 4 and 8, δ = 1e-5, 200 sequences
+    python bench/filter_cost.py                       # budgets 1 to 16, δ = 1e-5, 200 sequences
     python bench/filter_cost.py --budgets 2 --sequences 50
 
 Rules, each a conversion of the admitted jobs' summed curve:
@@ -59,15 +59,23 @@ JOB_KINDS = [("rdp", 1), ("rdp", 4), ("ps", 4)]
 Rule = Callable[[np.ndarray], float]
 
 
+def nearest(order: float) -> int:
+    """The index of the order of :data:`ORDERS` nearest ``order``."""
+    return int(np.argmin(np.abs(ORDERS - order)))
+
+
 def at_order(curve: np.ndarray, order: float, delta: float) -> float:
-    """ε of ``curve`` at one order of :data:`ORDERS` (dp-accounting's conversion there)."""
-    i = int(np.argmin(np.abs(ORDERS - order)))
+    """ε of ``curve`` at the order of :data:`ORDERS` nearest ``order`` (dp-accounting's
+    conversion there)."""
+    i = nearest(order)
     return float(rdp_lib.compute_epsilon(ORDERS[i : i + 1], curve[i : i + 1], delta)[0])
 
 
+@functools.cache
 def registration_order(budget: float, delta: float) -> float:
     """The order at which a Gaussian mechanism's curve ρ·α, with ρ such that its best
-    conversion is the dataset's ε, converts best: a function of (ε, δ) alone."""
+    conversion is the dataset's ε, converts best: a function of (ε, δ) alone (memoized: every
+    sequence of a budget asks for it)."""
 
     def best(rho: float) -> tuple[float, float]:
         return epsilon_from_rdp(rho * ORDERS, delta)
@@ -92,7 +100,7 @@ def rules(budget: float, delta: float, first: np.ndarray) -> dict[str, Rule]:
     alpha = registration_order(budget, delta)
     first_order = epsilon_from_rdp(first, delta)[1]
     near = [alpha / 2.25, alpha / 1.5, alpha * 1.5, alpha * 2.25]
-    orders = sorted({float(ORDERS[np.argmin(np.abs(ORDERS - a))]) for a in near})
+    orders = sorted({float(ORDERS[nearest(a)]) for a in near})
     return {
         "today": lambda c: epsilon_from_rdp(c, delta)[0],
         "registration": lambda c: at_order(c, alpha, delta),
