@@ -1,31 +1,26 @@
-"""What a proven privacy filter would cost: jobs a dataset admits under the ledger's rule against
-rules proven valid when each job's ε and shape are chosen after earlier releases.
+"""What the dataset's privacy filter costs: jobs a dataset admits under it against the ledger's
+earlier rule, which was not a filter proven at (ε, δ).
 
-The ledger admits a job while the dataset's composed ε stays within its budget, taking the
-smallest ε over the RDP orders (docs/privacy.md, "Jobs chosen after earlier releases"). Under
-fully adaptive composition that rule is a union of per-order Rényi filters: proven at
-(ε, m·δ) for the m orders, not (ε, δ). A Rényi filter at one order fixed in advance is proven
-at (ε, δ) (Feldman & Zrnic, NeurIPS 2021); so is the union of k fixed orders each converted at
-δ/k (the union bound). This bench draws random sequences of DP-SGD jobs (shapes and per-job εs
-of the tuning benches, σ calibrated by RDP for each job's own ε) and admits them in order,
-under each rule, until one is refused; it prints how many jobs each rule admits and what ε
-the admitted ones compose to under today's rule. Route A (RDP curves) only: the rules differ
-in the order, not in the route.
+A dataset admits jobs while its total stays within its budget; its jobs are chosen after earlier
+releases, so that rule must be a privacy filter (docs/privacy.md, "The dataset's budget is a
+privacy filter"). The earlier rule summed the jobs' RDP curves and took the smallest ε over the
+orders: a union of per-order Rényi filters, proven at (ε, m·δ) for its m orders. The filter
+(``core.accounting.filter``) reads the curves at one order fixed by the dataset's (ε, δ), holds a
+tenth of δ for (ε, δ) pairs, and counts each job as its curve or as its own ε at half the free
+pairs' δ, whichever leaves the dataset more (as ``service.ledger.statement`` chooses; jobs
+here have no PLD or profile statement). This bench draws random sequences of DP-SGD jobs (shapes
+and per-job εs of the tuning benches, σ calibrated by RDP for each job's own ε) and admits them
+in order, under each rule, until one is refused; it prints how many jobs each rule admits and
+what ε the admitted ones compose to under the earlier rule.
 
     python bench/filter_cost.py                       # budgets 1 to 16, δ = 1e-5, 200 sequences
     python bench/filter_cost.py --budgets 2 --sequences 50
 
-Rules, each a conversion of the admitted jobs' summed curve:
+Rules:
 
-- ``today``: the smallest ε over all orders (``core.accounting.epsilon_from_rdp``);
-- ``registration``: at one order fixed when the dataset is registered, from its (ε, δ) alone:
-  the order α_G at which a Gaussian mechanism's curve (ρ·α) spending the whole budget converts
-  best; ``registration ×1.5``: at 1.5·α_G (composed subsampled-Gaussian curves convert best at
-  a higher order than a Gaussian's);
-- ``first job``: at the order where the first job's own curve converts best (its parameters
-  are chosen before the dataset has released anything, so the order is fixed in advance);
-- ``4 orders``: the smallest over 4 orders fixed at registration (the registration order
-  ×/÷ 1.5 and 2.25), each converted at δ/4.
+- ``earlier``: the smallest ε over all orders of the curves summed (not a proven filter);
+- ``filter``: the dataset's filter, as the ledger runs it;
+- ``filter, curves only``: the same with every job counted as its curve (what the pairs add).
 """
 
 from __future__ import annotations
@@ -35,15 +30,16 @@ import functools
 from collections.abc import Callable
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-from scipy.optimize import brentq
 
 from core.accounting import (
     ORDERS,
+    STATEMENT_DELTA_SHARE,
+    Filter,
     PapernotSteinke,
     Rdp,
     calibrate_noise,
     epsilon_from_rdp,
+    filter_order,
     rdp_curve,
     tuning_rdp,
 )
@@ -56,32 +52,8 @@ SHAPES = [(256 / 1294, 202), (512 / 3600, 204), (0.04, 1000)]
 JOB_EPSILONS = [0.25, 0.5, 1.0, 2.0]
 JOB_KINDS = [("rdp", 1), ("rdp", 4), ("ps", 4)]
 
-Rule = Callable[[np.ndarray], float]
-
-
-def nearest(order: float) -> int:
-    """The index of the order of :data:`ORDERS` nearest ``order``."""
-    return int(np.argmin(np.abs(ORDERS - order)))
-
-
-def at_order(curve: np.ndarray, order: float, delta: float) -> float:
-    """ε of ``curve`` at the order of :data:`ORDERS` nearest ``order`` (dp-accounting's
-    conversion there)."""
-    i = nearest(order)
-    return float(rdp_lib.compute_epsilon(ORDERS[i : i + 1], curve[i : i + 1], delta)[0])
-
-
-@functools.cache
-def registration_order(budget: float, delta: float) -> float:
-    """The order at which a Gaussian mechanism's curve ρ·α, with ρ such that its best
-    conversion is the dataset's ε, converts best: a function of (ε, δ) alone (memoized: every
-    sequence of a budget asks for it)."""
-
-    def best(rho: float) -> tuple[float, float]:
-        return epsilon_from_rdp(rho * ORDERS, delta)
-
-    rho = brentq(lambda r: best(r)[0] - budget, 1e-8, budget)
-    return best(rho)[1]
+Admits = Callable[[list[np.ndarray]], int]
+"""How many of the jobs (their curves), in order, a rule admits before refusing one."""
 
 
 @functools.cache
@@ -96,28 +68,39 @@ def job_curve(shape: int, epsilon: float, kind: int, delta: float) -> np.ndarray
     return tuning_rdp(rdp_curve(q, sigma, steps), trials, 1.0)
 
 
-def rules(budget: float, delta: float, first: np.ndarray) -> dict[str, Rule]:
-    alpha = registration_order(budget, delta)
-    first_order = epsilon_from_rdp(first, delta)[1]
-    near = [alpha / 2.25, alpha / 1.5, alpha * 1.5, alpha * 2.25]
-    orders = sorted({float(ORDERS[nearest(a)]) for a in near})
-    return {
-        "today": lambda c: epsilon_from_rdp(c, delta)[0],
-        "registration": lambda c: at_order(c, alpha, delta),
-        "registration ×1.5": lambda c: at_order(c, 1.5 * alpha, delta),
-        "first job": lambda c: at_order(c, first_order, delta),
-        f"{len(orders)} orders": lambda c: min(at_order(c, a, delta / len(orders)) for a in orders),
-    }
+def earlier(budget: float, delta: float) -> Admits:
+    def admits(jobs: list[np.ndarray]) -> int:
+        total = np.zeros_like(ORDERS)
+        for n, curve in enumerate(jobs):
+            if epsilon_from_rdp(total + curve, delta)[0] > budget:
+                return n
+            total = total + curve
+        return len(jobs)
+
+    return admits
 
 
-def admitted(jobs: list[np.ndarray], rule: Rule, budget: float) -> int:
-    """How many of the jobs, in order, the rule admits before refusing one."""
-    total = np.zeros_like(ORDERS)
-    for n, curve in enumerate(jobs):
-        if rule(total + curve) > budget:
-            return n
-        total = total + curve
-    return len(jobs)
+def dataset_filter(budget: float, delta: float, pairs: bool = True) -> Admits:
+    rule = Filter(budget, delta)
+
+    def admits(jobs: list[np.ndarray]) -> int:
+        state = (np.zeros_like(ORDERS), 0.0, 0.0)  # curves summed, pairs' ε, pairs' δ
+        for n, curve in enumerate(jobs):
+            total, pair_epsilon, pair_delta = state
+            mine = [(curve, 0.0, 0.0)]  # the job's statements: its curve, its own pair
+            free = rule.pair_delta - pair_delta
+            if pairs and free > 0:
+                d = STATEMENT_DELTA_SHARE * free
+                mine.append((0 * curve, epsilon_from_rdp(curve, d)[0], d))
+            options = [(total + c, pair_epsilon + e, pair_delta + d) for c, e, d in mine]
+            totals = [rule.spent(*o) for o in options]
+            best = rule.pick(mine, totals)
+            if totals[best] > budget:
+                return n
+            state = options[best]
+        return len(jobs)
+
+    return admits
 
 
 def main(argv: list[str] | None = None) -> dict[float, dict[str, float]]:
@@ -129,11 +112,18 @@ def main(argv: list[str] | None = None) -> dict[float, dict[str, float]]:
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     out: dict[float, dict[str, float]] = {}
-    print("| dataset ε | rule | jobs admitted (mean) | vs today | ε of those jobs today (mean) |")
+    print(
+        "| dataset ε | rule | jobs admitted (mean) | vs earlier | ε of those jobs, earlier rule |"
+    )
     print("|---|---|---:|---:|---:|")
     for budget in args.budgets:
-        counts: dict[str, list[int]] = {}
-        spent: dict[str, list[float]] = {}
+        rules = {
+            "earlier": earlier(budget, args.delta),
+            "filter": dataset_filter(budget, args.delta),
+            "filter, curves only": dataset_filter(budget, args.delta, pairs=False),
+        }
+        counts: dict[str, list[int]] = {name: [] for name in rules}
+        spent: dict[str, list[float]] = {name: [] for name in rules}
         for _ in range(args.sequences):
             jobs = [
                 job_curve(
@@ -144,24 +134,22 @@ def main(argv: list[str] | None = None) -> dict[float, dict[str, float]]:
                 )
                 for _ in range(64)
             ]
-            for name, rule in rules(budget, args.delta, jobs[0]).items():
-                n = admitted(jobs, rule, budget)
-                counts.setdefault(name, []).append(n)
+            for name, admits in rules.items():
+                n = admits(jobs)
+                counts[name].append(n)
                 total = sum(jobs[:n], np.zeros_like(ORDERS))
-                spent.setdefault(name, []).append(
-                    epsilon_from_rdp(total, args.delta)[0] if n else 0.0
-                )
-        base = float(np.mean(counts["today"]))
+                spent[name].append(epsilon_from_rdp(total, args.delta)[0] if n else 0.0)
+        base = float(np.mean(counts["earlier"]))
         out[budget] = {}
-        for name in counts:
+        for name in rules:
             mean = float(np.mean(counts[name]))
             out[budget][name] = mean
             print(
                 f"| {budget:g} | {name} | {mean:.2f} | {mean / base:.2f}× | "
                 f"{np.mean(spent[name]):.2f} |"
             )
-    alphas = ", ".join(f"{registration_order(b, args.delta):g}" for b in args.budgets)
-    print(f"registration orders: {alphas} (δ = {args.delta:g})")
+    alphas = ", ".join(f"{filter_order(b, args.delta):g}" for b in args.budgets)
+    print(f"filter orders: {alphas} (δ = {args.delta:g})")
     return out
 
 

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic import Strict as StrictType
 
-from core.accounting import CAP_DELTA_SHARE, LT_DELTA2_SHARE, LT_DELTA_SHARE
+from core.accounting import CAP_DELTA_SHARE, LT_DELTA2_SHARE, STATEMENT_DELTA_SHARE
 from core.accounting.tuning import ETA_MIN, checked_eta
 from core.config import (
     DELTA,
@@ -237,9 +237,10 @@ class Privacy(Strict):
         le=DELTA[1],
         description="The job's δ, at most the dataset's. Null: the dataset's δ under `rdp` and "
         "`ps` (their RDP curves compose with the dataset's other charges); under `lt` "
-        f"{LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges, as `lt`'s δ "
-        "is taken out of the dataset's by basic composition, so that the defaults fit in any "
-        "order of jobs. The plan's `defaults` names each value the planner filled in, and why.",
+        f"{STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) statements may hold and do "
+        "not hold yet, as `lt`'s δ is held out of the dataset's by basic composition, so that "
+        "the defaults fit in any order of jobs. The plan's `defaults` names each value the "
+        "planner filled in, and why.",
     )
     accounting: Literal["rdp", "lt", "ps"] = Field(
         description="How the search is charged. `rdp`: a fixed number K of trials composed in "

@@ -128,7 +128,10 @@ class EntryOut(BaseModel):
         description="this row's own ε at the dataset's δ "
         "(null when its δ alone exceeds the dataset's)"
     )
-    delta: float = Field(description="δ charged by basic composition (Liu–Talwar jobs, caps)")
+    delta: float = Field(
+        description="δ this row holds of the dataset's: the (ε, δ) statements the budget counts "
+        "(Liu–Talwar jobs, caps on K, jobs counted as one pair) hold δ by basic composition"
+    )
     note: str
     created_at: datetime | None = Field(
         description="null for analysts on rows of random-"

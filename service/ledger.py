@@ -11,19 +11,22 @@ Rows are append-only and each has a unique reference. Kinds:
 A job's outstanding reservation is max(0, reserved − charged − released), order by order
 (per RDP order, and for ε and δ); while a job is open its commitment is therefore
 max(reserved, charged), and once settled it is exactly its charges. A dataset's committed ε is
-composed from its charges and outstanding reservations with ``core.accounting.dataset_epsilon``;
-admission refuses a job whose reservation would take it above the dataset's ε.
+composed from its charges and outstanding reservations through the dataset's privacy filter
+(``core.accounting.Filter``); admission refuses a job whose reservation would take it above
+the dataset's ε.
 
-Two routes. Every amount is composed twice. Route A is each row's curve and (ε, δ) pair (the
-ledger as it was before a second route existed). Route B is the same, except that a row of a
-job whose charge has a second statement (``Charge.pld``: a fixed-K job's PLD statement, a ps
-job's privacy-profile bound, each one (ε, δ) pair for the whole job) counts as that pair. Each
-route composes statements that each bound the job's releases, so each is an upper bound on the
-dataset's privacy loss, and the dataset's spent and committed ε is the smaller of the two: never
-above route A, today's total. A fixed-K job is charged per attempt on route A; on route B its
-whole pair is charged with its first attempt and nothing with the others (a job that never
-started releases the pair). The outstanding-reservation arithmetic below works part by part on
-both routes alike.
+Two routes. Every amount is kept twice. Route A is each row's curve and (ε, δ) pair: the job's
+own account, from which its own ε is stated (:func:`job_charged`). Route B is what the dataset's
+budget counts the job by, chosen when the job is admitted (:func:`statement`): its route A, or
+one (ε, δ) pair for the whole job (its own ε at a share of the δ pairs may hold, or its second
+statement, ``Charge.pld``: a fixed-K job's PLD statement, a ps job's privacy-profile bound), as
+the filter picks. The dataset's spent and committed ε are route B's totals through
+the dataset's privacy filter (:mod:`core.accounting.filter`: jobs are chosen after earlier
+releases, so the budget must be a filter, proven at the dataset's (ε, δ)). A fixed-K job is
+charged per attempt on route A; on route B, where it counts as its pair, the whole pair is
+charged with its first attempt and nothing with the others (a job that never started releases
+the pair). The outstanding-reservation arithmetic below works part by part on both routes
+alike.
 
 Sums are exact. Every part of the dataset's total is the exact sum of the rows' floats,
 rounded once (as ``math.fsum`` rounds): it does not depend on the order the rows are added in,
@@ -37,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +63,44 @@ Exact = list[int]
 """A ledger vector in units of 2⁻¹⁰⁷⁴."""
 
 
-def amount(charge: accounting.Charge) -> np.ndarray:
+def amount(charge: accounting.Charge, pair: tuple[float, float] | None = None) -> np.ndarray:
     """A charge as one vector: route A (its RDP curve over ORDERS, then ε, then δ), then route B
-    (its ``pld`` pair alone where it has one, else route A again). Every part adds under
-    composition (RDP by order; (ε, δ) charges by basic composition), so the ledger's
-    arithmetic is vector arithmetic."""
+    (``pair`` alone where given: the job counted as one (ε, δ) statement; else route A again).
+    Every part adds under composition (RDP by order; (ε, δ) charges by basic composition), so
+    the ledger's arithmetic is vector arithmetic."""
     route = np.zeros(_W)
     if charge.rdp is not None:
         route[:_N] = charge.rdp
     if charge.eps_delta is not None:
         route[_N:] = charge.eps_delta
-    return np.concatenate([route, route if charge.pld is None else _pair(*charge.pld)])
+    return np.concatenate([route, route if pair is None else _pair(*pair)])
+
+
+def statement(
+    session: Session, dataset: Dataset, charge: accounting.Charge
+) -> tuple[np.ndarray, Budget]:
+    """The vector a job with this charge is reserved as, and the budget with it reserved. On
+    route B the job counts as its curve, as its own ε stated as one (ε, δ) pair at a share of
+    the δ that pairs may still hold, or as its second statement (``Charge.pld``), as the
+    dataset's filter picks (:meth:`core.accounting.Filter.pick`). The choice is made from the
+    ledger as it stands, before the job touches data: for the filter it is one more parameter
+    chosen from what was released before. Each pair bounds the job's whole reservation, fixed
+    by its plan, so it is charged whole or not at all (:func:`charge_what_ran`)."""
+    rule = accounting.Filter(dataset.epsilon, dataset.delta)
+    curve = amount(charge)
+    candidates = [curve]
+    free = rule.pair_delta - budget(session, dataset).delta_held
+    if charge.rdp is not None and free > 0:
+        delta = accounting.STATEMENT_DELTA_SHARE * free
+        own = _route_epsilon(tuple(curve[:_W].tolist()), delta)
+        if math.isfinite(own):
+            candidates.append(amount(charge, (own, delta)))
+    if charge.pld is not None:
+        candidates.append(amount(charge, charge.pld))
+    after = budgets(session, dataset, candidates)
+    options = [(c[_W : _W + _N], float(c[_W + _N]), float(c[_W + _N + 1])) for c in candidates]
+    best = rule.pick(options, [b.committed for b in after])
+    return candidates[best], after[best]
 
 
 def _pair(epsilon: float, delta: float) -> np.ndarray:
@@ -169,7 +199,8 @@ def _load(parts: list[list[float]]) -> Exact:
 
 
 def _epsilon(total: np.ndarray, delta: float) -> float:
-    """ε of a total: the smaller of its two routes' (both are sound, see above)."""
+    """A job's or a row's own ε: the smaller of its two routes' at their best orders (both
+    bound the same fixed mechanisms)."""
     values = total.tolist()
     return min(_route_epsilon(tuple(values[:_W]), delta), _route_epsilon(tuple(values[_W:]), delta))
 
@@ -184,11 +215,18 @@ def _row_epsilon(vec: np.ndarray, delta: float) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _route_epsilon(total: tuple[float, ...], delta: float) -> float:
-    """Memoized: dp-accounting's conversion costs as much as the rest of a budget read, and
-    the totals a read converts (spent, committed) only change with the ledger."""
+    """Memoized: dp-accounting's conversion costs as much as the rest of a read."""
     vec = np.array(total)
     curves = [vec[:_N]] if vec[:_N].any() else []
-    return accounting.dataset_epsilon(curves, [(total[_N], total[_N + 1])], delta)
+    return accounting.charges_epsilon(curves, [(total[_N], total[_N + 1])], delta)
+
+
+def _dataset_epsilon(total: np.ndarray, dataset: Dataset) -> float:
+    """The dataset's ε of a total: route B through the dataset's filter."""
+    route = total[_W:]
+    return accounting.Filter(dataset.epsilon, dataset.delta).spent(
+        route[:_N], float(route[_N]), float(route[_N + 1])
+    )
 
 
 def append(
@@ -255,13 +293,12 @@ def _new_total(session: Session, dataset_id: int, job_id: int | None) -> LedgerT
 class Budget:
     epsilon: float  # the dataset's lifetime budget ...
     delta: float  # ... at this δ
-    spent: float  # ε of all charges (the smaller of the ledger's two routes)
+    spent: float  # ε of all charges (route B through the dataset's filter)
     committed: float  # ε of charges plus outstanding reservations (the same)
-    #: δ held by (ε, δ) charges (Liu–Talwar bounds, caps on K, profile bounds), committed, on
-    #: route A: what later jobs' default δs are shares of, as before route B existed
+    #: δ held by the (ε, δ) statements the budget counts (Liu–Talwar bounds, caps on K,
+    #: profile and PLD statements), committed: of the filter's ``pair_delta``, what is not
+    #: free for later statements
     delta_held: float
-    #: δ held on route B (PLD statements too): what a fixed-K job's PLD statement may take
-    delta_held_pld: float = 0.0
 
     @property
     def reserved(self) -> float:
@@ -284,21 +321,33 @@ def entries_of(session: Session, dataset_id: int) -> list[LedgerEntry]:
 
 
 def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
-    """The dataset's budget state, optionally as if ``plus`` were reserved as well, from its
+    """The dataset's budget state, optionally as if ``plus`` were reserved as well."""
+    return budgets(session, dataset, [plus])[0]
+
+
+def budgets(
+    session: Session, dataset: Dataset, pluses: Sequence[np.ndarray | None]
+) -> list[Budget]:
+    """The dataset's budget as if each of ``pluses`` in turn were reserved as well, from its
     running sums: one query, one row per open job. In one statement, so that on PostgreSQL
     (read committed) the charges and the reservations come from the same snapshot."""
     query = select(LedgerTotal.job_id, LedgerTotal.amount).where(
         LedgerTotal.dataset_id == dataset.id
     )
     charges: list[list[float]] = [[] for _ in range(2 * _W)]
-    parts = [[] for _ in charges] if plus is None else [[x] for x in plus.tolist()]
+    parts: list[list[float]] = [[] for _ in charges]
     for job_id, amount in session.execute(query):
         if job_id is None:
             charges = amount
         for mine, theirs in zip(parts, amount, strict=True):
             mine.extend(theirs)
     spent = np.array([math.fsum(floats) for floats in charges])
-    return _budget(dataset, spent, np.array([math.fsum(floats) for floats in parts]))
+    out = []
+    for plus in pluses:
+        extra = [0.0] * len(parts) if plus is None else plus.tolist()
+        committed = [math.fsum([x, *floats]) for x, floats in zip(extra, parts, strict=True)]
+        out.append(_budget(dataset, spent, np.array(committed)))
+    return out
 
 
 def budget_from_rows(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
@@ -316,10 +365,9 @@ def _budget(dataset: Dataset, spent: np.ndarray, committed: np.ndarray) -> Budge
     return Budget(
         epsilon=dataset.epsilon,
         delta=dataset.delta,
-        spent=_epsilon(spent, dataset.delta),
-        committed=_epsilon(committed, dataset.delta),
-        delta_held=float(committed[_N + 1]),
-        delta_held_pld=float(committed[_W + _N + 1]),
+        spent=_dataset_epsilon(spent, dataset),
+        committed=_dataset_epsilon(committed, dataset),
+        delta_held=float(committed[_W + _N + 1]),
     )
 
 
@@ -357,7 +405,7 @@ def outstanding(entries: Iterable[LedgerEntry]) -> list[Exact]:
     return _Sums.of(entries).outstanding()
 
 
-def running_totals(entries: list[LedgerEntry], delta: float) -> list[tuple[float, float]]:
+def running_totals(entries: list[LedgerEntry], dataset: Dataset) -> list[tuple[float, float]]:
     """(spent, committed) ε of the ledger up to and including each row, in the rows' order:
     the budget as it stood after each row was written, composed as :func:`budget` composes
     the whole ledger (its last pair is ``budget``'s ``spent`` and ``committed``)."""
@@ -369,7 +417,8 @@ def running_totals(entries: list[LedgerEntry], delta: float) -> list[tuple[float
         after = sums.signed[entry.job_id]
         outstanding = _add(_sub(outstanding, _positive(before)), _positive(after))
         committed = rounded(_add(sums.charges, outstanding))
-        totals.append((_epsilon(rounded(sums.charges), delta), _epsilon(committed, delta)))
+        spent = _dataset_epsilon(rounded(sums.charges), dataset)
+        totals.append((spent, _dataset_epsilon(committed, dataset)))
     return totals
 
 

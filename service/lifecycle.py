@@ -17,6 +17,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from core import accounting
 from core.spec import JobSpec
 from service import ledger
 from service.auth import Principal, digest
@@ -33,9 +34,11 @@ class BudgetExceeded(Exception):
     def __init__(self, budget: ledger.Budget, job_epsilon: float) -> None:
         if math.isinf(budget.committed):
             self.field = "privacy.delta"
+            pairs = accounting.Filter(budget.epsilon, budget.delta).pair_delta
             message = (
-                f"the job does not fit: the δs charged by basic composition (Liu–Talwar jobs, "
-                f"caps on K) would use up the dataset's δ {budget.delta:g}; ask for a smaller δ"
+                f"the job does not fit: the δs of (ε, δ) statements (Liu–Talwar jobs, caps on K) "
+                f"would exceed {pairs:g}, the share of the dataset's δ {budget.delta:g} they may "
+                "hold; ask for a smaller δ"
             )
         else:
             self.field = "privacy.epsilon"
@@ -79,8 +82,7 @@ def admit(
         if (earlier := _earlier(session, principal, idempotency_key, digest)) is not None:
             session.commit()
             return earlier, False
-        vec = ledger.amount(planned.reservation)
-        after = ledger.budget(session, dataset, plus=vec)
+        vec, after = ledger.statement(session, dataset, planned.reservation)
         if after.committed > dataset.epsilon:
             raise BudgetExceeded(after, planned.plan.epsilon)
         job = Job(

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from core import accounting
-from core.accounting import CAP_DELTA_SHARE, LT_DELTA_SHARE
+from core.accounting import CAP_DELTA_SHARE, STATEMENT_DELTA_SHARE
 from core.config import DELTA
 from core.noise import gradient_noise
 from core.plan import Plan, ProxySearch, TrialCount, score_std
@@ -320,12 +320,12 @@ def _job_delta(
 ) -> tuple[float, dict[str, str]]:
     """The job's δ and, when it is a default, why.
 
-    ``rdp`` and ``ps`` jobs are RDP curves that compose with the dataset's other curves, and
-    the whole is stated at the dataset's δ, so their default is the dataset's δ. A Liu–Talwar
-    job (Liu & Talwar, "Private Selection from Private Candidates", STOC 2019) is an (ε, δ)
-    statement charged by basic composition: its δ is subtracted from the dataset's. All of it
-    would refuse every later job (nothing left to convert curves at, nor for other (ε, δ)
-    charges), so the default is a share of what (ε, δ) charges do not hold yet.
+    ``rdp`` and ``ps`` jobs are RDP curves that compose with the dataset's other charges, so
+    their default is the dataset's δ. A Liu–Talwar job (Liu & Talwar, "Private Selection from
+    Private Candidates", STOC 2019) is an (ε, δ) statement: the dataset's filter holds its δ
+    out of the share of the dataset's δ that such statements may hold
+    (:data:`core.accounting.PAIR_DELTA_SHARE`), so the default is a share of what they do not
+    hold yet, and later statements still fit.
     """
     if privacy.delta is not None:
         return privacy.delta, {}
@@ -333,22 +333,30 @@ def _job_delta(
         return dataset.delta, {
             "privacy.delta": (
                 f"{dataset.delta:g}, the dataset's δ: {privacy.accounting} charges are RDP curves "
-                "that compose with the dataset's other charges, all stated at the dataset's δ."
+                "that compose with the dataset's other charges."
             )
         }
-    free = dataset.delta - ledger.budget(session, dataset).delta_held
+    free = _free_pair_delta(dataset, session)
     if free <= 0:
         raise PlanError(
-            "privacy.delta", f"(ε, δ) charges already hold all of the dataset's δ {dataset.delta:g}"
+            "privacy.delta",
+            f"(ε, δ) statements already hold all of the dataset's δ they may hold "
+            f"({accounting.Filter(dataset.epsilon, dataset.delta).pair_delta:.3g})",
         )
-    delta = LT_DELTA_SHARE * free
+    delta = STATEMENT_DELTA_SHARE * free
     return delta, {
         "privacy.delta": (
-            f"{delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by (ε, δ) charges "
-            f"({free:.3g}): Liu–Talwar's δ is charged by basic composition, so it is taken out of "
-            "the dataset's δ, and the rest is left for later jobs."
+            f"{delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) statements "
+            f"may hold and do not hold yet ({free:.3g}): Liu–Talwar's δ is held out of the "
+            "dataset's by basic composition, and the rest is left for later jobs."
         )
     }
+
+
+def _free_pair_delta(dataset: Dataset, session: Session) -> float:
+    """δ that (ε, δ) statements may still hold on the dataset (:mod:`core.accounting.filter`)."""
+    pairs = accounting.Filter(dataset.epsilon, dataset.delta).pair_delta
+    return pairs - ledger.budget(session, dataset).delta_held
 
 
 def _tuning_method(
@@ -406,9 +414,9 @@ def _tuning_method(
         defaults["privacy.delta"] = (
             f"{delta:g}, the dataset's δ, for the Papernot–Steinke RDP bound (a curve that "
             f"composes with the dataset's other charges); the privacy-profile bound is stated "
-            f"at {profile_delta:.3g}, {LT_DELTA_SHARE:g} of the dataset's δ not yet held by "
-            "(ε, δ) charges: it is charged by basic composition, so its δ is taken out of the "
-            "dataset's, and the rest is left for later jobs. The smaller bound charges the job."
+            f"at {profile_delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) "
+            "statements may hold and do not hold yet. The smaller bound states the job; the "
+            "dataset counts it by its curve or by the profile bound, whichever leaves more."
         )
     method = accounting.PapernotSteinke(
         mean=privacy.mean, eta=eta, max_trials=cap, profile_delta=profile_delta
@@ -432,11 +440,10 @@ def _fixed_k(
     return method, {
         "privacy.delta": (
             f"{delta:g}, the dataset's δ: rdp charges are RDP curves that compose with the "
-            f"dataset's other charges, all stated at the dataset's δ. The job is also stated by "
-            f"the PLD of its composition at {pld_delta:.3g}, the dataset's δ not yet held on the "
-            "ledger's second route (where each such statement is one (ε, δ) pair composed "
-            "basically); the smaller statement states the job, and the dataset's total is the "
-            "smaller of the two routes."
+            f"dataset's other charges. The job is also stated by the PLD of its composition at "
+            f"{pld_delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) "
+            "statements may hold and do not hold yet; the smaller statement states the job, "
+            "and the dataset counts it by its curve or by that pair, whichever leaves more."
         )
     }
 
@@ -444,26 +451,18 @@ def _fixed_k(
 def _statement_delta(
     privacy: Privacy, dataset: Dataset, session: Session, delta: float
 ) -> float | None:
-    """δ of a job's (ε, δ) statement besides its RDP curve, charged on the ledger by basic
-    composition: a ps job's privacy-profile bound (:mod:`core.accounting.profile`), an rdp job's
-    PLD statement (:class:`core.accounting.Rdp`). None (RDP alone) when no δ is left for it.
+    """δ of a job's (ε, δ) statement besides its RDP curve: a ps job's privacy-profile bound
+    (:mod:`core.accounting.profile`), an rdp job's PLD statement (:class:`core.accounting.Rdp`).
+    None (RDP alone) when no δ is left for it.
 
-    ps: the job's δ when the analyst gave one below the dataset's, as for Liu–Talwar; else the
-    share of the dataset's δ that Liu–Talwar's default takes, so that the bound, if it wins,
-    leaves δ for later jobs (a ps job's δ is the dataset's by default). rdp: the job's δ when
-    the analyst gave one; else the dataset's δ not yet held on route B of the ledger
-    (:mod:`service.ledger`), where the statement is charged: the whole statement at the job's δ
-    is what makes PLD tighter than RDP for such a job (at a tenth of the δ it rarely is), and
-    route A, which holds no δ for it, keeps later jobs' defaults as they were.
+    The job's δ when the analyst gave one (below the dataset's, for ps); else a share of the
+    dataset's δ that (ε, δ) statements may hold and do not hold yet, so that the statement, if
+    the dataset counts the job by it, leaves δ for later jobs' statements.
     """
     if privacy.delta is not None and (privacy.accounting == "rdp" or delta < dataset.delta):
         return delta
-    state = ledger.budget(session, dataset)
-    held = state.delta_held_pld if privacy.accounting == "rdp" else state.delta_held
-    free = dataset.delta - held
-    if privacy.accounting == "rdp":
-        return free if free > 0 else None
-    return LT_DELTA_SHARE * free if free > 0 else None
+    free = _free_pair_delta(dataset, session)
+    return STATEMENT_DELTA_SHARE * free if free > 0 else None
 
 
 def _trial_count(spec: JobSpec, method: accounting.TuningMethod) -> TrialCount:

@@ -87,7 +87,7 @@ def collect(session: Session, job: Job, caller: Principal) -> Report:
     totals = dict(
         zip(
             (e.id for e in entries),
-            ledger.running_totals(entries, dataset.delta),
+            ledger.running_totals(entries, dataset),
             strict=True,
         )
     )

@@ -345,6 +345,7 @@ _OWNER = aliased(Job)
 _SHOWN = (
     *(LedgerEntry.id, LedgerEntry.kind, LedgerEntry.reference, LedgerEntry.job_id),
     *(LedgerEntry.epsilon, LedgerEntry.delta, LedgerEntry.shown_epsilon),
+    *(LedgerEntry.pld_epsilon, LedgerEntry.pld_delta),
     case((LedgerEntry.shown_epsilon.is_(None), LedgerEntry.rdp)).label("rdp"),
     *(LedgerEntry.note, LedgerEntry.created_at, _OWNER.owner_key_id, _OWNER.accounting),
 )
@@ -375,7 +376,7 @@ def ledger_entries(
                 reference=row.reference if identify else None,
                 job=row.job_id if identify else None,
                 epsilon=eps if math.isfinite(eps) else None,
-                delta=row.delta,
+                delta=row.delta if row.pld_epsilon is None else row.pld_delta or 0.0,
                 note=row.note,
                 created_at=None if secret else row.created_at,
             )

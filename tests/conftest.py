@@ -91,3 +91,37 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+FilterEpsilon = Callable[..., float]
+
+
+@pytest.fixture(scope="session")
+def filter_epsilon() -> FilterEpsilon:
+    """``filter_epsilon(budget, delta, curve, pair_epsilon=0, pair_delta=0)``: a dataset's ε of a
+    total under its privacy filter, recomputed with dp-accounting's conversion at the dataset's
+    one order (``core.accounting.filter``; ``curve`` None: no curve)."""
+    import math
+
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    from core.accounting import ORDERS, PAIR_DELTA_SHARE, filter_order
+
+    def spent(
+        budget: float,
+        delta: float,
+        curve: np.ndarray | None,
+        pair_epsilon: float = 0.0,
+        pair_delta: float = 0.0,
+    ) -> float:
+        if pair_delta > PAIR_DELTA_SHARE * delta:
+            return math.inf
+        if curve is None or not np.any(curve):
+            return pair_epsilon
+        order = filter_order(budget, delta)
+        [i] = np.flatnonzero(order == ORDERS)
+        at, _ = rdp_lib.compute_epsilon([order], [curve[i]], (1 - PAIR_DELTA_SHARE) * delta)
+        return float(at) + pair_epsilon
+
+    return spent

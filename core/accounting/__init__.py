@@ -1,15 +1,20 @@
 """Privacy accounting: RDP of DP-SGD, conversions, tuning bounds, calibration, the ledger rule.
 
-Pure functions, no state: the ledger (``service/``) stores charges and recomputes totals with
-:func:`dataset_epsilon`.
+Pure functions, no state: the ledger (``service/``) stores charges and recomputes a dataset's
+totals through its :class:`Filter`.
 """
 
 from core.accounting.calibration import calibrate_noise, solve_noise
-from core.accounting.charges import Charge, dataset_epsilon, trial_rdp
+from core.accounting.charges import Charge, charges_epsilon, trial_rdp
+from core.accounting.filter import (
+    PAIR_DELTA_SHARE,
+    STATEMENT_DELTA_SHARE,
+    Filter,
+    filter_order,
+)
 from core.accounting.methods import (
     CAP_DELTA_SHARE,
     LT_DELTA2_SHARE,
-    LT_DELTA_SHARE,
     RANDOM_STOPPING,
     SINGLE,
     LiuTalwar,
@@ -41,11 +46,13 @@ from core.accounting.tuning import (
 __all__ = [
     "CAP_DELTA_SHARE",
     "LT_DELTA2_SHARE",
-    "LT_DELTA_SHARE",
     "ORDERS",
+    "PAIR_DELTA_SHARE",
     "RANDOM_STOPPING",
     "SINGLE",
+    "STATEMENT_DELTA_SHARE",
     "Charge",
+    "Filter",
     "LiuTalwar",
     "LiuTalwarBound",
     "PapernotSteinke",
@@ -54,10 +61,11 @@ __all__ = [
     "TuningMethod",
     "calibrate_noise",
     "cap_delta",
+    "charges_epsilon",
     "compose",
-    "dataset_epsilon",
     "dpsgd_epsilon",
     "epsilon_from_rdp",
+    "filter_order",
     "gaussian_rdp",
     "liu_talwar",
     "ps_epsilon",

@@ -1,4 +1,4 @@
-"""What the ledger composes: charges in its two currencies, and a dataset's spent ε.
+"""What the ledger composes: charges in its two currencies, and the ε of fixed charges.
 
 A *trial* is T steps of DP-SGD (q, σ) plus, optionally, other mechanisms on the same data
 whose RDP is passed as ``extra_rdp`` (e.g. a private validation score, docs/design.md
@@ -37,16 +37,18 @@ class Charge:
     pld: tuple[float, float] | None = field(default=None)
 
 
-def dataset_epsilon(
+def charges_epsilon(
     rdp_curves: list[np.ndarray],
     eps_delta_charges: list[tuple[float, float]],
     delta: float,
 ) -> float:
-    """Spent ε of a dataset from all its ledger charges (docs/design.md, invariant 7).
+    """ε at δ of fixed charges composed: a job's or a ledger row's own statement (a dataset's
+    budget, whose jobs are chosen after earlier releases, is a filter instead:
+    :mod:`core.accounting.filter`).
 
-    RDP curves add (composition), and the sum is converted at what is left of the dataset's δ
-    once the (ε, δ) charges' δs are subtracted; those charges' εs then add by basic
-    composition (Dwork–Roth Thm. 3.16). Returns ``inf`` when the δs alone exceed the budget.
+    RDP curves add (composition), and the sum is converted at its best order at what is left
+    of δ once the (ε, δ) charges' δs are subtracted; those charges' εs then add by basic
+    composition (Dwork–Roth Thm. 3.16). Returns ``inf`` when the δs alone exceed δ.
     """
     d = checks.probability("delta", delta)
     eps = sum(e for e, _ in eps_delta_charges)

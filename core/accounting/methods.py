@@ -200,9 +200,6 @@ MAX_CAP = 2**31 - 1
 #: Liu–Talwar's default δ₂: this share of the job's δ (the rest pays for the trials' δ₁), the
 #: one default of planning and of ``dptune account``
 LT_DELTA2_SHARE = 0.5
-#: the default δ of an (ε, δ) charge (``lt``; ``ps``'s privacy-profile bound): this share of
-#: the dataset's δ not yet held by (ε, δ) charges, so that jobs with defaults fit in any order
-LT_DELTA_SHARE = 0.1
 #: ``ps``'s default cap on K: the smallest whose δ cost is at most this share of the job's δ
 CAP_DELTA_SHARE = 0.01
 

@@ -23,7 +23,7 @@ def plan(spec: JobSpec, session: SessionDep, caller: Caller, settings: SettingsD
     dataset = job_dataset(session, caller, spec)
     planned = plan_with_model(spec, dataset, session, settings)
     now = ledger.budget(session, dataset)
-    after = ledger.budget(session, dataset, plus=ledger.amount(planned.reservation))
+    after = ledger.statement(session, dataset, planned.reservation)[1]
     return PlanOut(
         **planned.plan.model_dump(),
         dataset=dataset.id,

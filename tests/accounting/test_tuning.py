@@ -15,7 +15,7 @@ from core.accounting import (
     PapernotSteinke,
     calibrate_noise,
     calibration,
-    dataset_epsilon,
+    charges_epsilon,
     dpsgd_epsilon,
     epsilon_from_rdp,
     gaussian_rdp,
@@ -240,11 +240,11 @@ def test_capped_calibration_lands_on_the_fixed_point() -> None:
 def test_dataset_rule_of_invariant_7() -> None:
     a, b = rdp_curve(0.01, 1.0, 300), rdp_curve(0.02, 2.0, 100)
     by_hand = opacus_epsilon(a + b, DELTA - 2e-6) + 0.5 + 1.25
-    got = dataset_epsilon([a, b], [(0.5, 1e-6), (1.25, 1e-6)], DELTA)
+    got = charges_epsilon([a, b], [(0.5, 1e-6), (1.25, 1e-6)], DELTA)
     assert got == pytest.approx(by_hand, rel=1e-6)
-    assert dataset_epsilon([], [(0.5, 1e-6)], DELTA) == 0.5
-    assert dataset_epsilon([], [], DELTA) == 0.0
-    assert dataset_epsilon([a], [(0.1, DELTA)], DELTA) == math.inf
+    assert charges_epsilon([], [(0.5, 1e-6)], DELTA) == 0.5
+    assert charges_epsilon([], [], DELTA) == 0.0
+    assert charges_epsilon([a], [(0.1, DELTA)], DELTA) == math.inf
 
 
 @pytest.mark.parametrize(

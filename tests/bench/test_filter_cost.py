@@ -1,6 +1,7 @@
-"""``bench/filter_cost.py``: the order a dataset's registration fixes, against the conversion's
-closed form minimised over continuous orders; and on a few random job sequences, no proven
-rule admits more jobs than today's (each converts at fixed orders, today's at the best one)."""
+"""The order a dataset's filter reads curves at (``core.accounting.filter_order``), against the
+conversion's closed form minimised over continuous orders; and ``bench/filter_cost.py`` on a few
+random job sequences: the filter admits no more jobs than the smallest-over-orders rule, and
+counting jobs as pairs where that takes less room admits as many as curves alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
-from core.accounting import ORDERS
+from core.accounting import ORDERS, PAIR_DELTA_SHARE, filter_order
 
 
 def gaussian_epsilon(rho: float, alpha: float, delta: float) -> float:
@@ -20,9 +21,9 @@ def gaussian_epsilon(rho: float, alpha: float, delta: float) -> float:
 
 
 @pytest.mark.parametrize("budget", [1.0, 4.0, 16.0])
-def test_the_registration_order_is_the_gaussians_best(bench, budget: float) -> None:
-    fc, delta = bench("filter_cost"), 1e-5
-    alpha = fc.registration_order(budget, delta)
+def test_the_filter_order_is_the_gaussians_best(budget: float) -> None:
+    alpha = filter_order(budget, 1e-5)
+    delta = (1 - PAIR_DELTA_SHARE) * 1e-5  # the curves' δ
     grid = ORDERS[(alpha / 1.5 <= ORDERS) & (alpha * 1.5 >= ORDERS)]
 
     def best(rho: float) -> float:  # the grid's best ε of the curve ρ·α
@@ -40,8 +41,9 @@ def test_the_registration_order_is_the_gaussians_best(bench, budget: float) -> N
     assert alpha in nearest  # the grid's best order is one of the two around the true optimum
 
 
-def test_no_proven_rule_admits_more_than_todays(bench, capsys) -> None:
-    out = bench("filter_cost").main(["--budgets", "2", "--sequences", "4"])
-    today = out[2.0].pop("today")
-    assert out[2.0] and all(n <= today for n in out[2.0].values()), out
-    assert "| 2 | registration |" in capsys.readouterr().out
+def test_the_filter_admits_no_more_than_the_smallest_over_orders(bench, capsys) -> None:
+    out = bench("filter_cost").main(["--budgets", "2", "8", "--sequences", "4"])
+    for counts in out.values():
+        assert 0 < counts["filter"] <= counts["earlier"], out
+        assert counts["filter"] >= counts["filter, curves only"], out
+    assert "| 2 | filter |" in capsys.readouterr().out

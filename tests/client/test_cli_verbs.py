@@ -42,7 +42,8 @@ def test_jobs_verbs(dptune, dataset, job_spec, tmp_path) -> None:
     assert parsed(dptune("jobs", "show", str(job["id"]), "--json"))["id"] == job["id"]
     assert parsed(dptune("jobs", "trials", str(job["id"]), "--json")) == []
     budget = parsed(dptune("budget", str(dataset), "--json"))
-    assert budget["reserved"] == pytest.approx(job["plan"]["epsilon"])
+    # the dataset counts the job through its filter: more than its own ε (the conversion)
+    assert job["plan"]["epsilon"] < budget["reserved"] <= budget["epsilon"]
     assert parsed(dptune("jobs", "cancel", str(job["id"]), "--json"))["status"] == "cancelled"
     code, out, _ = dptune("jobs", "show", str(job["id"]))
     assert code == 0 and "cancelled" in out  # the table

@@ -34,7 +34,7 @@ def test_plan_submit_list_show_cancel(op, dataset, job_spec) -> None:
     job = op.submit(job_spec(dataset), idempotency_key="k1")
     assert job.status == "queued"
     assert op.submit(job_spec(dataset), idempotency_key="k1").id == job.id  # replayed
-    assert op.budget(dataset).reserved == pytest.approx(plan.epsilon)
+    assert op.budget(dataset).remaining == pytest.approx(plan.remaining_epsilon_after)
     assert [j.id for j in op.jobs(status="queued", dataset=dataset)] == [job.id]
     assert op.jobs(status="released") == []
     assert op.job(job.id).view.plan.epsilon == plan.epsilon

@@ -41,7 +41,7 @@ ROUTES = [r for m in (jobs, datasets, keys, logs, plans) for r in m.router.route
 #: batch sizes (a plan with several shapes and no single q, T, σ)
 JOBS = {
     "rdp": ({"accounting": "rdp", "epsilon": 1.0}, {"grid": [0.05, 0.2]}, {}),
-    "lt": ({"accounting": "lt", "epsilon": 1.8, "expected_trials": 3, "delta": 2e-6}, None, {}),
+    "lt": ({"accounting": "lt", "epsilon": 1.8, "expected_trials": 3, "delta": 2e-7}, None, {}),
     "ps": ({"accounting": "ps", "epsilon": 2.0, "mean": 3, "eta": 1}, None, {}),
     "shapes": (
         {"accounting": "rdp", "epsilon": 1.0},

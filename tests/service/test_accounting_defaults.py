@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 from scipy.stats import poisson
+from sqlalchemy import select
 
-from core.accounting import epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_rdp
+from core.accounting import PAIR_DELTA_SHARE, epsilon_from_rdp, gaussian_rdp, rdp_curve, tuning_rdp
 from core.accounting.profile import profile_epsilon
+from service.db import LedgerEntry
 
 BUDGET, DELTA = 20.0, 1e-5  # the dataset's lifetime budget
 JOB_EPSILON = 2.0
@@ -45,9 +47,12 @@ def job_body(
     return body
 
 
+POOL = PAIR_DELTA_SHARE * DELTA  # the δ that (ε, δ) statements may hold
+
+
 def delta_held(api, dataset: int) -> float:
-    """δ the dataset's ledger holds by basic composition (no job here has run yet, so every
-    row is a reservation)."""
+    """δ the dataset's (ε, δ) statements hold (no job here has run yet, so every row is a
+    reservation)."""
     return sum(e["delta"] for e in api.budget(dataset)["entries"])
 
 
@@ -66,19 +71,19 @@ def test_defaults_fit_in_any_order(api, spec, order: tuple[str, ...]) -> None:
         held = delta_held(api, dataset)
         plan = submit(api, spec, dataset, accounting)
         assert set(plan["defaults"]) == DEFAULTED[accounting]
-        if accounting == "lt":  # a tenth of what basic composition does not hold yet
-            assert plan["delta"] == pytest.approx((DELTA - held) / 10, rel=1e-12)
+        if accounting == "lt":  # half of what (ε, δ) statements may hold and do not yet
+            assert plan["delta"] == pytest.approx((POOL - held) / 2, rel=1e-12)
             assert plan["method"]["delta2"] == pytest.approx(plan["delta"] / 2, rel=1e-12)
         else:
             assert plan["delta"] == DELTA
         assert 0 < api.budget(dataset)["remaining"] < BUDGET
-    assert delta_held(api, dataset) < DELTA / 2
+    assert delta_held(api, dataset) < POOL
 
 
 def test_lt_jobs_at_default_delta_keep_fitting(api, spec) -> None:
     dataset = api.register(epsilon=BUDGET, delta=DELTA)["id"]
     deltas = [submit(api, spec, dataset, "lt")["delta"] for _ in range(3)]
-    assert deltas == pytest.approx([DELTA / 10 * 0.9**i for i in range(3)], rel=1e-12)
+    assert deltas == pytest.approx([POOL / 2**i for i in range(1, 4)], rel=1e-12)
     submit(api, spec, dataset, "rdp")  # curves still have δ to be converted at
     assert math.isfinite(api.budget(dataset)["remaining"])
 
@@ -102,15 +107,16 @@ def test_default_cap_and_its_charge(api, spec, eta: Any, tail: Callable[[int], f
         return (1 + math.exp(BUDGET)) * tail(k)
 
     assert cost(cap) <= DELTA / 100 < cost(cap - 1)  # the smallest such cap
-    (reservation,) = api.budget(dataset)["entries"]
+    with api.client.app.state.sessions() as session:  # the job's own account: route A
+        (reservation,) = session.execute(select(LedgerEntry)).scalars()
     if plan["bound"] == "profile":  # the privacy-profile bound's (ε, δ) charges it, cap inside
         trial = (plan["sample_rate"], plan["noise_multiplier"], plan["steps"])
         d = plan["method"]["profile_delta"]
-        assert (reservation["epsilon"], reservation["delta"]) == pytest.approx((plan["epsilon"], d))
+        assert (reservation.epsilon, reservation.delta) == pytest.approx((plan["epsilon"], d))
         by_profile = profile_epsilon(((*trial, plan["validation_noise"]),), d, MEAN, 1.0, tail(cap))
         assert plan["epsilon"] == pytest.approx(by_profile, rel=1e-12)
         return
-    assert reservation["delta"] == pytest.approx(cost(cap), rel=1e-9)
+    assert reservation.delta == pytest.approx(cost(cap), rel=1e-9)
 
     # The job's own (ε, δ): ε ≥ ε_rdp(δ − (1 + e^ε)·t), and no smaller ε is.
     trial = rdp_curve(plan["sample_rate"], plan["noise_multiplier"], plan["steps"]) + gaussian_rdp(

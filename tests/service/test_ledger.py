@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from opacus.accountants.analysis.rdp import compute_rdp
 from safetensors.numpy import load
 from sqlalchemy import select
 
@@ -26,17 +26,15 @@ from service.orchestration import JobState
 WIDTH = len(ORDERS) + 2  # one route of a ledger vector: the RDP curve, ε, δ
 
 
-def opacus_epsilon(plan: dict, trials: int, delta: float) -> float:
-    """ε of ``trials`` runs of the plan's trial (DP-SGD + private score), by Opacus."""
-    orders = np.array([1 + x / 10 for x in range(1, 100)] + list(range(12, 64)))
-    per_trial = compute_rdp(
+def opacus_curve(plan: dict) -> np.ndarray:
+    """One trial's RDP curve over ORDERS (DP-SGD + private score), by Opacus."""
+    curve = compute_rdp(
         q=plan["sample_rate"],
         noise_multiplier=plan["noise_multiplier"],
         steps=plan["steps"],
-        orders=orders,
+        orders=ORDERS,
     )
-    per_trial = per_trial + orders / (2 * plan["validation_noise"] ** 2)
-    return get_privacy_spent(orders=orders, rdp=trials * per_trial, delta=delta)[0]
+    return curve + ORDERS / (2 * plan["validation_noise"] ** 2)
 
 
 @pytest.fixture
@@ -50,16 +48,24 @@ def _rows(session, job: int) -> list[LedgerEntry]:
     return list(session.execute(query).scalars())
 
 
-def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, session):
+def test_rdp_charges_attempts_and_releases_the_rest(
+    api, dataset, ana, spec, session, filter_epsilon
+):
     ds = dataset["id"]
     job = api.client.post("/v1/jobs", headers=ana, json=spec(ds, epsilon=2.0, max_retries=1)).json()
     plan, jid = job["plan"], job["id"]
     assert plan["attempts_reserved"] == 4  # 2 trials, each with one retry reserved
 
+    # the job counts as its curve through the dataset's filter (budget 4): each attempt spends
+    # one trial's curve, the reservation commits all four
+    trial = opacus_curve(plan)
     first = start_attempt(session, jid, 0, {"optimizer.lr": 0.05})
+    [reservation, _] = _rows(session, jid)
+    assert reservation.pld_epsilon is None  # route B is route A: the curve
     budget = api.budget(ds)
-    assert budget["spent"] == pytest.approx(plan["trial_epsilon"], rel=1e-9)
-    assert budget["spent"] + budget["reserved"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    assert budget["spent"] == pytest.approx(filter_epsilon(4.0, 1e-5, trial), rel=1e-3)
+    committed = budget["spent"] + budget["reserved"]
+    assert committed == pytest.approx(filter_epsilon(4.0, 1e-5, 4 * trial), rel=1e-3)
     finish_attempt(session, first, "failed", 3)
     start_attempt(session, jid, 0, {"optimizer.lr": 0.05})  # the reserved retry
     with pytest.raises(AttemptRefused, match="retries"):
@@ -72,10 +78,7 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
     budget = api.budget(ds)
     assert [e["kind"] for e in budget["entries"]] == ["reservation"] + ["charge"] * 3 + ["release"]
     assert budget["reserved"] == 0
-    # the smaller route: three trials by RDP, or the job's PLD statement of four
-    assert budget["spent"] == pytest.approx(
-        min(opacus_epsilon(plan, 3, 1e-5), plan["epsilon"]), rel=0.03
-    )
+    assert budget["spent"] == pytest.approx(filter_epsilon(4.0, 1e-5, 3 * trial), rel=1e-3)
     rows = _rows(session, jid)
     vec = {
         kind: sum(ledger.entry_amount(r) for r in rows if r.kind == kind)
@@ -84,11 +87,8 @@ def test_rdp_charges_attempts_and_releases_the_rest(api, dataset, ana, spec, ses
     np.testing.assert_allclose(vec["charge"] + vec["release"], vec["reservation"], rtol=1e-12)
     a, b = slice(0, WIDTH), slice(WIDTH, None)  # the ledger's two routes
     np.testing.assert_allclose(vec["release"][a], vec["reservation"][a] / 4, rtol=1e-12)
-    # route B: the job's PLD statement, all of it charged with the first attempt
-    assert plan["method"]["pld_delta"] == 1e-5
-    assert vec["reservation"][b][-2:] == pytest.approx((plan["epsilon"], 1e-5), rel=1e-12)
-    assert not vec["release"][b].any()
-    assert [bool(r.pld_epsilon) for r in rows] == [True, True] + [False] * 3  # the pair once
+    np.testing.assert_array_equal(vec["reservation"][b], vec["reservation"][a])  # the curve
+    assert [r.pld_epsilon for r in rows] == [None] * 5
 
     with pytest.raises(AttemptRefused, match="succeeded"):
         start_attempt(session, jid, 1, {"optimizer.lr": 0.2})

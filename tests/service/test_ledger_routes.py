@@ -1,24 +1,28 @@
-"""The ledger's two routes (issue 41): random histories of jobs — rdp with and without a PLD
-statement, lt, ps with its privacy-profile bound — reserved, attempted and settled through the
-ledger's own functions. After every step: the running sums give the all-rows budget to the
-bit, the committed ε is the smaller of the two routes' ε as recomputed here from the rows (with
-exact fractions), never above route A's (the ledger before route B existed), and a fixed-K job's
-PLD pair is charged on route B at most once, whatever its retries."""
+"""The ledger's two routes: random histories of jobs — rdp with and without a PLD statement,
+lt, ps with its privacy-profile bound — reserved (each counted on route B by its curve or its
+pair, as admission chooses), attempted and settled through the ledger's own functions. After
+every step: the running sums give the all-rows budget to the bit, the spent and committed ε are
+route B's totals through the dataset's filter as recomputed here from the rows (exact fractions,
+dp-accounting's conversion at the one order), and a fixed-K job's PLD pair is charged on route
+B at most once, whatever its retries."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
 from core import accounting
-from core.accounting import LiuTalwar, PapernotSteinke, Rdp, TrialMechanism
+from core.accounting import PAIR_DELTA_SHARE, LiuTalwar, PapernotSteinke, Rdp, TrialMechanism
 from core.shapes import Shape
 from service import ledger
 from service.db import ApiKey, Dataset, Job, LedgerEntry, Trial, TrialAttempt
@@ -42,12 +46,13 @@ def method_of(kind: str, trials: int, pld_delta: float) -> accounting.TuningMeth
 
 
 def new_job(session, dataset: Dataset, owner: int, kind: str, sigma: float, trials: int) -> Job:
-    """A job of one shape, as the planner plans it, and its reservation. A PLD statement takes
-    the δ route B has free, or all of the dataset's where none is (as an analyst's δ may): route
-    B is then over-held, infinite, and route A states the dataset."""
+    """A job of one shape, as the planner plans it, and its reservation as admission chooses
+    it (checked against the filter's rule, recomputed here). A PLD statement takes half the δ
+    pairs may still hold, or all of the dataset's where none is left (as an analyst's δ may):
+    the pair is then over-held, and the curve counts."""
     trial = TrialMechanism(sample_rate=Q, noise_multiplier=sigma, steps=STEPS)
-    pld_delta = DELTA - ledger.budget(session, dataset).delta_held_pld
-    method = method_of(kind, trials, pld_delta if pld_delta > 0 else DELTA)
+    free = PAIR_DELTA_SHARE * DELTA - ledger.budget(session, dataset).delta_held
+    method = method_of(kind, trials, free / 2 if free > 0 else DELTA)
     delta = DELTA / 10 if kind == "lt" else DELTA
     shape = Shape(
         batch_size=10,
@@ -76,7 +81,32 @@ def new_job(session, dataset: Dataset, owner: int, kind: str, sigma: float, tria
     session.add(job)
     session.flush()
     charge = method.charge(trial.rdp(), delta, BUDGET, [trial])
-    ledger.append(session, job, "reservation", f"job:{job.id}:reservation", ledger.amount(charge))
+    free = PAIR_DELTA_SHARE * DELTA - ledger.budget(session, dataset).delta_held
+    pairs = [charge.pld] if charge.pld else []
+    if charge.rdp is not None and free > 0:
+        own = (
+            free / 2,
+            accounting.charges_epsilon([charge.rdp], [charge.eps_delta or (0, 0)], free / 2),
+        )
+        pairs.append(own[::-1])
+    vec, after = ledger.statement(session, dataset, charge)
+    # the job counts as its curve or one of its pairs: of those that fit, the one that takes
+    # least of the room the conversion leaves (a curve: its RDP at the order; a pair: its ε)
+    [i] = np.flatnonzero(accounting.filter_order(BUDGET, DELTA) == accounting.ORDERS)
+    curve_share = (charge.rdp[i] if charge.rdp is not None else 0.0) + (charge.eps_delta or (0,))[0]
+    options = [(ledger.amount(charge), curve_share)] + [
+        (ledger.amount(charge, p), p[0]) for p in pairs
+    ]
+    fitting = [
+        (share, option)
+        for option, share in options
+        if ledger.budget(session, dataset, option).committed <= BUDGET
+    ]
+    if fitting:
+        assert after.committed <= BUDGET
+        chosen = min(share for share, _ in fitting)
+        assert any((vec == option).all() and share == chosen for share, option in fitting)
+    ledger.append(session, job, "reservation", f"job:{job.id}:reservation", vec)
     return job
 
 
@@ -114,10 +144,16 @@ def routes(rows: list[LedgerEntry]) -> tuple[list[Fraction], list[Fraction]]:
     return charges, committed
 
 
-def route_epsilon(vec: list[Fraction], delta: float) -> float:
+def filtered_epsilon(vec: list[Fraction]) -> float:
+    """Route B through the filter, by dp-accounting's conversion at the dataset's one order."""
     floats = np.array([float(x) for x in vec])  # each part correctly rounded
-    curves = [floats[:N]] if floats[:N].any() else []
-    return accounting.dataset_epsilon(curves, [(floats[N], floats[N + 1])], delta)
+    if floats[N + 1] > PAIR_DELTA_SHARE * DELTA:
+        return math.inf
+    if not floats[:N].any():
+        return float(floats[N])
+    [i] = np.flatnonzero(accounting.filter_order(BUDGET, DELTA) == accounting.ORDERS)
+    at, _ = rdp_lib.compute_epsilon([accounting.ORDERS[i]], [floats[i]], 0.9 * DELTA)
+    return float(at + floats[N])
 
 
 def check(session, dataset: Dataset, jobs: list[Job]) -> None:
@@ -128,11 +164,8 @@ def check(session, dataset: Dataset, jobs: list[Job]) -> None:
     rows = ledger.entries_of(session, dataset.id)
     charges, committed = routes(rows)
     for total, got in ((charges, cached.spent), (committed, cached.committed)):
-        by_a = route_epsilon(total[: N + 2], DELTA)
-        by_b = route_epsilon(total[N + 2 :], DELTA)
-        assert got == min(by_a, by_b) <= by_a
-    assert cached.delta_held == float(committed[N + 1])
-    assert cached.delta_held_pld == float(committed[2 * (N + 2) - 1])
+        assert got == pytest.approx(filtered_epsilon(total[N + 2 :]), rel=1e-12, abs=1e-12)
+    assert cached.delta_held == float(committed[2 * (N + 2) - 1])
     for job in jobs:  # a fixed-K job's PLD pair: charged on route B once at most
         own = [r for r in rows if r.job_id == job.id]
         reservation = own[0]
@@ -162,7 +195,9 @@ ACTIONS = st.lists(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(actions=ACTIONS)
-def test_the_committed_epsilon_is_the_smaller_route(client, actions: list[tuple[Any, ...]]) -> None:
+def test_the_committed_epsilon_is_route_b_through_the_filter(
+    client, actions: list[tuple[Any, ...]]
+) -> None:
     with client.app.state.sessions() as session:
         owner = session.execute(select(ApiKey.id)).scalars().first()
         dataset = Dataset(

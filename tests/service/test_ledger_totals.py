@@ -70,9 +70,9 @@ def _check_counts_and_shown(session, dataset: Dataset, rows: list[LedgerEntry]) 
     assert (dataset.ledger_rows, dataset.ledger_rows_hidden) == (len(rows), len(hidden))
     for e in rows:
         curves = [np.array(e.rdp)] if e.rdp is not None else []
-        want = accounting.dataset_epsilon(curves, [(e.epsilon, e.delta)], dataset.delta)
+        want = accounting.charges_epsilon(curves, [(e.epsilon, e.delta)], dataset.delta)
         if e.pld_epsilon:  # a row with a PLD pair on route B: the smaller route's
-            pair = accounting.dataset_epsilon([], [(e.pld_epsilon, e.pld_delta)], dataset.delta)
+            pair = accounting.charges_epsilon([], [(e.pld_epsilon, e.pld_delta)], dataset.delta)
             want = min(want, pair)
         assert e.shown_epsilon == want, e.id
 
@@ -197,7 +197,7 @@ def test_analysts_see_what_they_saw_before(api, spec, session_of, dataset):
     their own, no time on random-stopping rows, no zero row of a random-stopping job."""
     ds = dataset["id"]
     ana, colleague = api.analyst(ds), api.analyst(ds)
-    lt = spec(ds, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6)
+    lt = spec(ds, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-7)
     lt["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
     mine = api.client.post("/v1/jobs", headers=ana, json=lt).json()["id"]
     theirs = api.client.post("/v1/jobs", headers=colleague, json=spec(ds)).json()["id"]

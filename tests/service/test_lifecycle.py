@@ -74,7 +74,10 @@ def test_lifecycle(client, api, dataset, ana, spec):
     else:  # stated by the PLD of its composition, where that is below RDP (issue 41)
         assert plan["bound"] == "pld" and plan["epsilon"] < independent
     assert plan["remaining_epsilon"] == 4.0
-    assert plan["remaining_epsilon_after"] == pytest.approx(4.0 - plan["epsilon"], rel=1e-6)
+    # the dataset counts the job through its filter (core.accounting.filter): its curve at the
+    # dataset's order, and the conversion the first curve pays
+    counted = 4.0 - plan["remaining_epsilon_after"]
+    assert plan["epsilon"] < counted < 4.0
     assert api.budget(ds)["entries"] == []
 
     # Admission reserves the plan's full cost.
@@ -84,7 +87,7 @@ def test_lifecycle(client, api, dataset, ana, spec):
     assert job["status"] == "queued" and job["plan"]["noise_multiplier"] == plan["noise_multiplier"]
     budget = api.budget(ds)
     assert budget["spent"] == 0.0
-    assert budget["reserved"] == pytest.approx(plan["epsilon"], rel=1e-9)
+    assert budget["reserved"] == pytest.approx(counted, rel=1e-9)
     assert [(e["kind"], e["job"]) for e in budget["entries"]] == [("reservation", job["id"])]
 
     # A second job that does not fit is refused, saying by how much; nothing is reserved.
@@ -97,7 +100,7 @@ def test_lifecycle(client, api, dataset, ana, spec):
     assert len(api.budget(ds)["entries"]) == 1
 
     # A job that fits the composed remainder is admitted.
-    r = client.post("/v1/jobs", headers=ana, json=spec(ds, epsilon=1.0))
+    r = client.post("/v1/jobs", headers=ana, json=spec(ds, epsilon=0.5))
     assert r.status_code == 202, r.text
     assert api.budget(ds)["remaining"] >= 0
 
@@ -115,7 +118,7 @@ def test_lifecycle(client, api, dataset, ana, spec):
     assert ("release", job["id"]) in kinds and ("charge", job["id"]) not in kinds
     assert budget["spent"] == 0.0
     second_alone = client.get(f"/v1/jobs/{listed[0]['id']}", headers=ana).json()["plan"]
-    assert budget["reserved"] == pytest.approx(second_alone["epsilon"], rel=1e-9)
+    assert second_alone["epsilon"] < budget["reserved"] < 4.0
 
 
 @pytest.mark.parametrize(
@@ -169,10 +172,10 @@ def test_lt_refused_when_dataset_delta_is_used_up(client, api, dataset, ana, spe
     assert client.post("/v1/jobs", headers=ana, json=spec(dataset["id"])).status_code == 202
     body = spec(dataset["id"], epsilon=2.0, accounting="lt", gamma=0.3)
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.2]}}
-    body["privacy"]["delta"] = 1e-5  # all of the dataset's δ, by basic composition
+    body["privacy"]["delta"] = 2e-6  # more than (ε, δ) statements may hold: 1e-6
     r = client.post("/v1/jobs", headers=ana, json=body)
     assert r.status_code == 409 and r.json()["detail"].startswith("privacy.delta:")
-    body["privacy"]["delta"] = 5e-6
+    body["privacy"]["delta"] = 2e-7
     assert client.post("/v1/jobs", headers=ana, json=body).status_code == 202
 
 

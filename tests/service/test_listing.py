@@ -37,7 +37,7 @@ def test_every_list_declares_its_count(client):
 
 def _lt(dataset: int, **privacy) -> dict:
     body = make_spec(
-        dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6, **privacy
+        dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=5e-8, **privacy
     )
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.1, 0.2]}}
     return body

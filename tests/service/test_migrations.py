@@ -149,7 +149,7 @@ def test_the_upgrade_to_running_sums_fills_them_from_the_rows(settings):
                     "kind": kind,
                     "rdp": vec[:orders].tolist(),
                     "epsilon": float(vec[orders]),
-                    "delta": float(vec[orders + 1]) / 1000,
+                    "delta": float(vec[orders + 1]) / 1e5,  # within the pairs' share
                     "note": "",
                     "created_at": datetime.now(UTC),
                 }
@@ -264,7 +264,7 @@ def test_the_upgrade_to_row_counts_counts_the_rows_already_there(settings):
         assert [e.shown_epsilon for e in entries] == [None] * len(rows)
         for e in entries:
             curves = [np.array(e.rdp)] if e.rdp is not None else []
-            want = accounting.dataset_epsilon(curves, [(e.epsilon, e.delta)], 1e-5)
+            want = accounting.charges_epsilon(curves, [(e.epsilon, e.delta)], 1e-5)
             assert ledger.entry_epsilon(e, 1e-5) == want
         assert ledger.entry_epsilon(entries[0], 1e-5) > 0
         operator = Principal(1, "operator", frozenset())

@@ -93,7 +93,7 @@ def fresh(tmp_path) -> Iterator[Callable[[str], Service]]:
 
 
 def lt_spec(spec: Callable[..., dict[str, Any]], dataset: int, **privacy: Any) -> dict:
-    body = spec(dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-6, **privacy)
+    body = spec(dataset, epsilon=1.8, accounting="lt", expected_trials=3, delta=2e-7, **privacy)
     body["search_space"] = {"optimizer.lr": {"values": [0.05, 0.1, 0.2]}}
     return body
 

@@ -115,8 +115,10 @@ def test_the_runner_protocol_releases_the_best_trial(runs) -> None:
     )
     r = api.client.post(f"{base}/end", headers=auth, json={"state": "released"})
     assert r.status_code == 200
-    # what the job was charged: both trials, at the job's δ (the dataset's: an rdp default)
-    assert r.json() == {"epsilon": pytest.approx(api.budget(dataset)["spent"]), "delta": 1e-5}
+    # what the job was charged: both trials, at the job's δ (the dataset's: an rdp default);
+    # the dataset counts it through its filter, at least as much
+    assert r.json() == {"epsilon": pytest.approx(job["plan"]["epsilon"], rel=1e-3), "delta": 1e-5}
+    assert r.json()["epsilon"] <= api.budget(dataset)["spent"]
     done = api.client.get(f"/v1/jobs/{job['id']}", headers=api.operator).json()
     assert done["status"] == "released"
     model = api.client.get(f"/v1/jobs/{job['id']}/model", headers=api.operator)
@@ -287,8 +289,8 @@ def test_the_runners_client_speaks_the_api(settings) -> None:
         for _ in range(2):
             control.upload_model(0, _weights())
             epsilon, delta = control.end("released")
-            # one trial's attempt at the job's δ, as the budget composes it
-            assert epsilon == pytest.approx(api.budget(dataset)["spent"]) and delta == 1e-5
+            # one trial's attempt at the job's δ; the dataset counts at least as much
+            assert epsilon <= api.budget(dataset)["spent"] and delta == 1e-5
         assert (
             client.get(f"/v1/jobs/{job['id']}", headers=api.operator).json()["status"] == "released"
         )
