@@ -1,13 +1,17 @@
-"""Revision 0011 (the ledger's second route): rows written before it count the same on both
-routes, and the running sums gain route B as a copy of route A, so every budget stays what it
-was; the downgrade takes route A back alone (on SQLite and PostgreSQL)."""
+"""Revisions 0011 (the ledger's second route) and 0012 (the dataset's privacy filter): rows
+written before 0011 count the same on both routes, and the running sums gain route B as a copy
+of route A, so every budget stays what it was; the downgrade takes route A back alone; rows
+counted as pairs by the earlier rule count as their curves from 0012 on (SQLite and
+PostgreSQL)."""
 
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime
 
 import numpy as np
+import pytest
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import select, text
@@ -15,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from core import accounting
 from service import ledger
-from service.db import Dataset, LedgerEntry, LedgerTotal, upgrade
+from service.db import Dataset, Job, LedgerEntry, LedgerTotal, upgrade
 from service.db.schema import MIGRATIONS, _sqlite_foreign_keys_off
 
 from .test_migrations import _analyst_key, _at_revision
@@ -97,4 +101,50 @@ def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
 
     _to(engine, "0010", down=True)
     assert _totals(engine) == before
+    engine.dispose()
+
+
+def test_the_filter_recounts_earlier_pairs_as_curves(settings):
+    """Revision 0012: jobs that the earlier rule counted on route B as a PLD statement holding
+    the whole δ (more than the filter lets pairs hold: the total reads infinite) count as
+    their curves, so the dataset's total through its filter is finite again, and the running
+    sums still give the all-rows budget."""
+    engine = _at_revision(settings, "0011")
+    with engine.begin() as conn:
+        _analyst_key(conn)
+        conn.execute(
+            text(
+                "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
+                "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
+                "(1, 'd', 'builtin:digits', '{}', 10, 3, '[4]', false, 100, 1e-3, '', "
+                "CURRENT_TIMESTAMP)"
+            )
+        )
+        for job in (1, 2):
+            conn.execute(
+                text(
+                    "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
+                    "accounting, status, created_at) VALUES (:id, 1, 1, 'x', '{}', '{}', 'rdp', "
+                    "'queued', CURRENT_TIMESTAMP)"
+                ),
+                {"id": job},
+            )
+    curve = accounting.rdp_curve(0.1, 1.0, 100)
+    with Session(engine) as session:
+        for job in (1, 2):
+            charge = accounting.Charge(rdp=curve, pld=(2.0, 1e-3))
+            vec = ledger.amount(charge, charge.pld)
+            ledger.append(session, session.get_one(Job, job), "reservation", f"{job}:r", vec)
+        session.commit()
+        assert ledger.budget(session, session.get_one(Dataset, 1)).committed == math.inf
+
+    upgrade(engine)
+    with Session(engine) as session:
+        entries = session.execute(select(LedgerEntry)).scalars().all()
+        assert len(entries) == 2 and all(e.pld_epsilon is None for e in entries)
+        dataset = session.get_one(Dataset, 1)
+        cached = ledger.budget(session, dataset)
+        assert cached == ledger.budget_from_rows(session, dataset)
+        want = accounting.Filter(100.0, 1e-3).spent(2 * curve, 0.0, 0.0)
+        assert cached.committed == pytest.approx(want, rel=1e-12) and cached.spent == 0.0
     engine.dispose()
