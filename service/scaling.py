@@ -8,7 +8,7 @@ final run, whose lr the runner computes from the cheap runs' released DP scores
 retry included: C·(1 + retries) runs at each level and 1 + retries final runs. It is stated
 by the smaller of two sound bounds, as a fixed-K job of one shape is
 (:class:`core.accounting.Rdp`): their RDP curves summed (not K times the largest), and their
-pessimistic PLDs composed, at the δ of the ledger's second route. The final run's σ is
+pessimistic PLDs composed, at the δ of the job's PLD statement. The final run's σ is
 calibrated so that the job lands at or just below its target ε; the cheap levels' σs come
 first, from the analyst's per-run εs or, by default, from the share of the target their RDP
 composition may take.

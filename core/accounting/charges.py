@@ -29,8 +29,8 @@ class Charge:
     """What a job costs, in the ledger's two currencies (docs/design.md, invariant 7): an RDP curve
     and/or an (ε, δ) pair composed basically. ``pld``, where there is one, is a second sound
     statement of the same whole job as one (ε, δ) pair (a fixed-K job's PLD statement, a ps job's
-    privacy-profile bound): the ledger's second route composes it in place of the rest, and the
-    dataset's total is the smaller of the two routes (``service.ledger``)."""
+    privacy-profile bound): the dataset's filter may count the job as that pair in place of the
+    rest (``service.ledger.statement``)."""
 
     rdp: np.ndarray | None = None
     eps_delta: tuple[float, float] | None = field(default=None)

@@ -124,8 +124,9 @@ def _with_second(rdp: float, second: Callable[[], float]) -> tuple[float, float]
 
 
 def _statement(epsilon: float, delta: float, own_delta: float | None) -> tuple[float, float] | None:
-    """A second bound as the (ε, δ) pair the ledger's second route composes: at the smaller of
-    the job's δ and the bound's own; None where the bound is infinite (it does not apply)."""
+    """A second bound as an (ε, δ) pair the dataset's filter may count the job as: at the
+    smaller of the job's δ and the bound's own; None where the bound is infinite (it does not
+    apply)."""
     return None if math.isinf(epsilon) else (epsilon, min(delta, own_delta or delta))
 
 
@@ -137,7 +138,8 @@ class Rdp(_Method):
     its K-fold composition (dp-accounting's ``PLDAccountant`` arithmetic, Doroshenko et al.,
     "Connect the Dots", PETS 2022): an (ε, δ) statement at that δ (at most the job's), an upper
     bound as every pessimistic PLD is. The job's ε at δ is the smaller of the two (:meth:`bound`),
-    and its charge carries the PLD pair as the ledger's second route (``Charge.pld``). The runs
+    and its charge carries the PLD pair (``Charge.pld``), which the dataset may count the job
+    as (``service.ledger.statement``). The runs
     are the multiset ``mechanisms`` (each trial's, every entry run ``trials``/len times: one
     shape K times, a scaling job's levels and final run by their counts); their PLDs compose
     adaptively too, each being a fixed mechanism's dominating pair (Zhu, Dong & Wang, "Optimal
@@ -182,8 +184,8 @@ class Rdp(_Method):
     def charge(
         self, trial: np.ndarray, delta: float, statement_epsilon: float, mechanisms: Mechanisms = ()
     ) -> Charge:
-        """The K curves, and the PLD statement as the second route wherever it is finite
-        (whichever bound states the job: the ledger takes the smaller dataset total)."""
+        """The K curves, and the PLD statement as a pair wherever it is finite (whichever
+        bound states the job: the dataset's filter picks what it counts the job as)."""
         by_pld = self._bounds(trial, delta, mechanisms)[1]
         pld = _statement(by_pld, delta, self.pld_delta)
         return Charge(rdp=self.trials * trial, pld=pld)
@@ -310,8 +312,8 @@ class PapernotSteinke(_Method):
         ledger states the whole dataset at its composed ε_D, at most the dataset's budget ε,
         which the caller passes as ``statement_epsilon`` (see ``service.planning``). By the
         profile bound: its (ε, δ) statement, cap included, composed basically like
-        Liu–Talwar's. Wherever the profile bound is finite it is also the charge's second
-        route (``Charge.pld``), so the ledger may take it even where RDP states the job."""
+        Liu–Talwar's. Wherever the profile bound is finite it is also the charge's ``pld``, so
+        the dataset's filter may count the job as it even where RDP states the job."""
         rdp, by_profile = self._bounds(trial, delta, mechanisms)
         pld = _statement(by_profile, delta, self.profile_delta)
         if by_profile < rdp:

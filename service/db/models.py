@@ -194,7 +194,8 @@ class LedgerEntry(Base):
     """Append-only budget ledger (docs/design.md, invariant 7). A row carries an RDP curve over
     ``core.accounting.ORDERS``, an (ε, δ) pair, or both (a Papernot–Steinke job with a cap
     on K: its curve plus the cap's tail probability as (0, δ)), and optionally what it counts as
-    on the ledger's second route (``pld_epsilon``, ``pld_delta``)."""
+    on the ledger's second route, the one the dataset's filter counts (``pld_epsilon``,
+    ``pld_delta``)."""
 
     __tablename__ = "ledger_entry"
     #: a dataset's rows in id order: its newest rows (a budget read) and a page after a row
@@ -216,9 +217,10 @@ class LedgerEntry(Base):
     #: exceeds the dataset's): fixed when written, so that showing a row does not read its
     #: curve; empty on rows written before revision 0008
     shown_epsilon: Mapped[float | None] = mapped_column(Float)
-    #: the row on the ledger's second route: the (ε, δ) pair it counts as there (its job's PLD
-    #: or privacy-profile statement, or (0, 0) for a fixed-K job's later attempts); empty: the
-    #: same as on the first route (``rdp``, ``epsilon``, ``delta``; every row before 0011)
+    #: the row on the ledger's second route, the one the dataset's filter counts: the (ε, δ)
+    #: pair it counts as there (its job's own, PLD or privacy-profile statement, or (0, 0) for
+    #: a fixed-K job's later attempts); empty: the same as on the first route (``rdp``,
+    #: ``epsilon``, ``delta``; every row before 0012)
     pld_epsilon: Mapped[float | None] = mapped_column(Float)
     pld_delta: Mapped[float | None] = mapped_column(Float)
 
