@@ -42,9 +42,8 @@ def _totals(engine) -> dict[int | None, list]:
     return {job: json.loads(a) if isinstance(a, str) else a for job, a in rows}
 
 
-def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
-    engine = _at_revision(settings, "0004")
-    rng = np.random.default_rng(11)
+def _dataset_with_jobs(engine, jobs: tuple[int, ...]) -> None:
+    """Dataset 1 (ε = 100, δ = 1e-3) and fixed-K jobs on it, owned by an analyst's key."""
     with engine.begin() as conn:
         _analyst_key(conn)
         conn.execute(
@@ -55,7 +54,7 @@ def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
                 "CURRENT_TIMESTAMP)"
             )
         )
-        for job in (1, 2, 3):
+        for job in jobs:
             conn.execute(
                 text(
                     "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
@@ -64,6 +63,12 @@ def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
                 ),
                 {"id": job},
             )
+
+
+def test_the_upgrade_copies_route_a_and_keeps_every_budget(settings):
+    engine = _at_revision(settings, "0004")
+    rng = np.random.default_rng(11)
+    _dataset_with_jobs(engine, (1, 2, 3))
     with Session(engine) as session:
         for job in (1, 2, 3):
             reserved = np.concatenate([rng.uniform(0, 0.3, N), [0.1, 1e-6]])
@@ -110,25 +115,7 @@ def test_the_filter_recounts_earlier_pairs_as_curves(settings):
     their curves, so the dataset's total through its filter is finite again, and the running
     sums still give the all-rows budget."""
     engine = _at_revision(settings, "0011")
-    with engine.begin() as conn:
-        _analyst_key(conn)
-        conn.execute(
-            text(
-                "INSERT INTO dataset (id, name, source, options, n, num_classes, input_shape, "
-                "public_validation, epsilon, delta, content_sha256, created_at) VALUES "
-                "(1, 'd', 'builtin:digits', '{}', 10, 3, '[4]', false, 100, 1e-3, '', "
-                "CURRENT_TIMESTAMP)"
-            )
-        )
-        for job in (1, 2):
-            conn.execute(
-                text(
-                    "INSERT INTO job (id, dataset_id, owner_key_id, request_sha256, spec, plan, "
-                    "accounting, status, created_at) VALUES (:id, 1, 1, 'x', '{}', '{}', 'rdp', "
-                    "'queued', CURRENT_TIMESTAMP)"
-                ),
-                {"id": job},
-            )
+    _dataset_with_jobs(engine, (1, 2))
     curve = accounting.rdp_curve(0.1, 1.0, 100)
     with Session(engine) as session:
         for job in (1, 2):
