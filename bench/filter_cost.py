@@ -7,8 +7,8 @@ privacy filter"). The earlier rule summed the jobs' RDP curves and took the smal
 orders: a union of per-order Rényi filters, proven at (ε, m·δ) for its m orders. The filter
 (``core.accounting.filter``) reads the curves at one order fixed by the dataset's (ε, δ), holds a
 tenth of δ for (ε, δ) pairs, and counts each job as its curve or as its own ε at half the free
-pairs' δ, whichever leaves the dataset more (as ``service.ledger.statement`` chooses; jobs
-here have no PLD or profile statement). This bench draws random sequences of DP-SGD jobs (shapes
+pairs' δ, as ``Filter.pick`` chooses (so does ``service.ledger.statement``; jobs here have no
+PLD or profile statement). This bench draws random sequences of DP-SGD jobs (shapes
 and per-job εs of the tuning benches, σ calibrated by RDP for each job's own ε) and admits them
 in order, under each rule, until one is refused; it prints how many jobs each rule admits and
 what ε the admitted ones compose to under the earlier rule.
@@ -33,7 +33,6 @@ import numpy as np
 
 from core.accounting import (
     ORDERS,
-    STATEMENT_DELTA_SHARE,
     Filter,
     PapernotSteinke,
     Rdp,
@@ -88,9 +87,8 @@ def dataset_filter(budget: float, delta: float, pairs: bool = True) -> Admits:
         for n, curve in enumerate(jobs):
             total, pair_epsilon, pair_delta = state
             mine = [(curve, 0.0, 0.0)]  # the job's statements: its curve, its own pair
-            free = rule.pair_delta - pair_delta
-            if pairs and free > 0:
-                d = STATEMENT_DELTA_SHARE * free
+            d = rule.statement_delta(pair_delta)
+            if pairs and d is not None:
                 mine.append((0 * curve, epsilon_from_rdp(curve, d)[0], d))
             options = [(total + c, pair_epsilon + e, pair_delta + d) for c, e, d in mine]
             totals = [rule.spent(*o) for o in options]

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,17 +87,17 @@ def statement(
     chosen from what was released before. Each pair bounds the job's whole reservation, fixed
     by its plan, so it is charged whole or not at all (:func:`charge_what_ran`)."""
     rule = accounting.Filter(dataset.epsilon, dataset.delta)
+    sums = _read(session, dataset)
     curve = amount(charge)
     candidates = [curve]
-    free = rule.pair_delta - budget(session, dataset).delta_held
-    if charge.rdp is not None and free > 0:
-        delta = accounting.STATEMENT_DELTA_SHARE * free
+    delta = rule.statement_delta(sums.budget(dataset).delta_held)
+    if charge.rdp is not None and delta is not None:
         own = _route_epsilon(tuple(curve[:_W].tolist()), delta)
         if math.isfinite(own):
             candidates.append(amount(charge, (own, delta)))
     if charge.pld is not None:
         candidates.append(amount(charge, charge.pld))
-    after = budgets(session, dataset, candidates)
+    after = [sums.budget(dataset, c) for c in candidates]
     options = [(c[_W : _W + _N], float(c[_W + _N]), float(c[_W + _N + 1])) for c in candidates]
     best = rule.pick(options, [b.committed for b in after])
     return candidates[best], after[best]
@@ -322,15 +322,28 @@ def entries_of(session: Session, dataset_id: int) -> list[LedgerEntry]:
 
 def budget(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
     """The dataset's budget state, optionally as if ``plus`` were reserved as well."""
-    return budgets(session, dataset, [plus])[0]
+    return _read(session, dataset).budget(dataset, plus)
 
 
-def budgets(
-    session: Session, dataset: Dataset, pluses: Sequence[np.ndarray | None]
-) -> list[Budget]:
-    """The dataset's budget as if each of ``pluses`` in turn were reserved as well, from its
-    running sums: one query, one row per open job. In one statement, so that on PostgreSQL
-    (read committed) the charges and the reservations come from the same snapshot."""
+@dataclass(frozen=True)
+class _Snapshot:
+    """The dataset's running sums as one read found them: the charges, rounded, and the floats
+    of every part of what is committed (charges and outstanding reservations)."""
+
+    spent: np.ndarray
+    parts: list[list[float]]
+
+    def budget(self, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:
+        """The budget, as if ``plus`` were reserved as well."""
+        extra = [0.0] * len(self.parts) if plus is None else plus.tolist()
+        committed = [math.fsum([x, *floats]) for x, floats in zip(extra, self.parts, strict=True)]
+        return _budget(dataset, self.spent, np.array(committed))
+
+
+def _read(session: Session, dataset: Dataset) -> _Snapshot:
+    """The dataset's running sums: one query, one row per open job. In one statement, so that
+    on PostgreSQL (read committed) the charges and the reservations come from the same
+    snapshot."""
     query = select(LedgerTotal.job_id, LedgerTotal.amount).where(
         LedgerTotal.dataset_id == dataset.id
     )
@@ -341,13 +354,7 @@ def budgets(
             charges = amount
         for mine, theirs in zip(parts, amount, strict=True):
             mine.extend(theirs)
-    spent = np.array([math.fsum(floats) for floats in charges])
-    out = []
-    for plus in pluses:
-        extra = [0.0] * len(parts) if plus is None else plus.tolist()
-        committed = [math.fsum([x, *floats]) for x, floats in zip(extra, parts, strict=True)]
-        out.append(_budget(dataset, spent, np.array(committed)))
-    return out
+    return _Snapshot(np.array([math.fsum(floats) for floats in charges]), parts)
 
 
 def budget_from_rows(session: Session, dataset: Dataset, plus: np.ndarray | None = None) -> Budget:

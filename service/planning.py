@@ -336,27 +336,28 @@ def _job_delta(
                 "that compose with the dataset's other charges."
             )
         }
-    free = _free_pair_delta(dataset, session)
-    if free <= 0:
+    delta = _default_statement_delta(dataset, session)
+    if delta is None:
         raise PlanError(
             "privacy.delta",
             f"(ε, δ) statements already hold all of the dataset's δ they may hold "
             f"({accounting.Filter(dataset.epsilon, dataset.delta).pair_delta:.3g})",
         )
-    delta = STATEMENT_DELTA_SHARE * free
     return delta, {
         "privacy.delta": (
             f"{delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) statements "
-            f"may hold and do not hold yet ({free:.3g}): Liu–Talwar's δ is held out of the "
-            "dataset's by basic composition, and the rest is left for later jobs."
+            f"may hold and do not hold yet ({delta / STATEMENT_DELTA_SHARE:.3g}): Liu–Talwar's δ "
+            "is held out of the dataset's by basic composition, and the rest is left for later "
+            "jobs."
         )
     }
 
 
-def _free_pair_delta(dataset: Dataset, session: Session) -> float:
-    """δ that (ε, δ) statements may still hold on the dataset (:mod:`core.accounting.filter`)."""
-    pairs = accounting.Filter(dataset.epsilon, dataset.delta).pair_delta
-    return pairs - ledger.budget(session, dataset).delta_held
+def _default_statement_delta(dataset: Dataset, session: Session) -> float | None:
+    """The default δ of one more (ε, δ) statement on the dataset; None when its pairs already
+    hold all they may (:meth:`core.accounting.Filter.statement_delta`)."""
+    rule = accounting.Filter(dataset.epsilon, dataset.delta)
+    return rule.statement_delta(ledger.budget(session, dataset).delta_held)
 
 
 def _tuning_method(
@@ -416,7 +417,8 @@ def _tuning_method(
             f"composes with the dataset's other charges); the privacy-profile bound is stated "
             f"at {profile_delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) "
             "statements may hold and do not hold yet. The smaller bound states the job; the "
-            "dataset counts it by its curve or by the profile bound, whichever leaves more."
+            "dataset's filter counts it as its curve or as that pair, whichever takes less of "
+            "its budget."
         )
     method = accounting.PapernotSteinke(
         mean=privacy.mean, eta=eta, max_trials=cap, profile_delta=profile_delta
@@ -443,7 +445,8 @@ def _fixed_k(
             f"dataset's other charges. The job is also stated by the PLD of its composition at "
             f"{pld_delta:.3g}, {STATEMENT_DELTA_SHARE:g} of the dataset's δ that (ε, δ) "
             "statements may hold and do not hold yet; the smaller statement states the job, "
-            "and the dataset counts it by its curve or by that pair, whichever leaves more."
+            "and the dataset's filter counts it as its curve or as that pair, whichever takes "
+            "less of its budget."
         )
     }
 
@@ -461,8 +464,7 @@ def _statement_delta(
     """
     if privacy.delta is not None and (privacy.accounting == "rdp" or delta < dataset.delta):
         return delta
-    free = _free_pair_delta(dataset, session)
-    return STATEMENT_DELTA_SHARE * free if free > 0 else None
+    return _default_statement_delta(dataset, session)
 
 
 def _trial_count(spec: JobSpec, method: accounting.TuningMethod) -> TrialCount:

@@ -106,6 +106,12 @@ class Filter:
         """δ_c: the δ the curves are converted at."""
         return self.delta - self.pair_delta
 
+    def statement_delta(self, held: float) -> float | None:
+        """The default δ of one more (ε, δ) statement when the pairs hold ``held``:
+        :data:`STATEMENT_DELTA_SHARE` of what they may still hold; None when nothing is."""
+        free = self.pair_delta - held
+        return STATEMENT_DELTA_SHARE * free if free > 0 else None
+
     def spent(self, curve: np.ndarray, pair_epsilon: float, pair_delta: float) -> float:
         """ε of a total: the curves summed (over :data:`ORDERS`; read at :attr:`order`) and the
         pairs summed. ``inf`` when the pairs hold more than :attr:`pair_delta`."""
