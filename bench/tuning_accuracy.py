@@ -47,7 +47,8 @@ batch size and epochs, its learning rate searched over :data:`SCALING_LRS` as th
 rate at two cheap privacy levels, then one final run at the rate their best scores
 extrapolate to; ``rdp`` only, as the product allows; its reference, ``--reference scaling``,
 trains each rate alone at the full ε, the full-budget sweep its final rate is compared
-with); "scaling-m" the same with momentum 0.9 over :data:`SCALING_MOMENTUM_LRS`. Otherwise
+with); "scaling-m" the same with momentum 0.9 over :data:`SCALING_MOMENTUM_LRS`, and
+"scaling-adam" with the recipe's Adam over :data:`SCALING_ADAM_LRS`. Otherwise
 the learning rate is not searched (paper 001 searches it too; here it is
 fixed per dataset). Each method is charged three ways:
 
@@ -120,6 +121,9 @@ SCALING_LRS = [0.3, 1.0, 3.0]
 #: tenth of plain SGD's)
 SCALING_MOMENTUM = {"name": "sgd", "momentum": 0.9}
 SCALING_MOMENTUM_LRS = [0.03, 0.1, 0.3]
+#: the same with the recipe's Adam, over half-decades about its rate 0.01
+SCALING_ADAM = {"name": "adam"}
+SCALING_ADAM_LRS = [0.003, 0.01, 0.03]
 ACCOUNTINGS = ("rdp", "lt", "ps")
 TERMINAL = ("released", "succeeded", "failed", "cancelled")
 
@@ -171,6 +175,7 @@ def methods(thresholds: list[float], quick: bool) -> dict[str, Method]:
         "proxy": Method({"clipping": "abadi"}, {"method.threshold": thresholds}, proxy=True),
         "scaling": _scaling(SCALING_LRS, SCALING_SGD),
         "scaling-m": _scaling(SCALING_MOMENTUM_LRS, SCALING_MOMENTUM),
+        "scaling-adam": _scaling(SCALING_ADAM_LRS, SCALING_ADAM),
     }
 
 

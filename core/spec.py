@@ -410,7 +410,7 @@ def lr_range(dim: Dimension) -> tuple[float, float]:
     """The learning rates a ``scaling`` job's runs may take: up to the largest searched (the
     final run's candidates), down to the optimizer's smallest (a cheap run's rate is a
     candidate's scaled down by its level's share of ε, :func:`runner.search.scaling_candidates`)."""
-    return LEARNING_RATE[0], max(float(v) for v in _endpoints(dim))
+    return LEARNING_RATE[0], max(float(v) for v in endpoints(dim))
 
 
 class Selection(Strict):
@@ -647,7 +647,7 @@ class JobSpec(Strict):
         """Every (batch_size, epochs) a trial may run with: the product of the searched values,
         a field not searched keeping the spec's value (None: the planner's default)."""
         values = [
-            _endpoints(self.search_space[p]) if p in self.search_space else [getattr(self, p)]
+            endpoints(self.search_space[p]) if p in self.search_space else [getattr(self, p)]
             for p in SHAPES
         ]
         return [dict(zip(SHAPES, combo, strict=True)) for combo in itertools.product(*values)]
@@ -671,7 +671,7 @@ class JobSpec(Strict):
         return 1 if self.proxy is not None else self.candidate_count()
 
 
-def _endpoints(dim: Dimension) -> list[Scalar]:
+def endpoints(dim: Dimension) -> list[Scalar]:
     """The listed values, or the two ends of a range (the field's constraints are intervals)."""
     if isinstance(dim, Grid):
         return dim.grid
@@ -690,7 +690,7 @@ def _check_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
         )
     part, name = path.split(".")
     base = getattr(spec, part)
-    for value in _endpoints(dim):
+    for value in endpoints(dim):
         try:
             SEARCHABLE[path].model_validate({**base.model_dump(), name: value})
         except ValidationError as error:
@@ -707,11 +707,11 @@ def _check_shape_dimension(spec: JobSpec, path: str, dim: Dimension) -> None:
             f"search_space.{path}: give {{'{kind}': [...]}} under {spec.privacy.accounting!r}: "
             "each value gets its own planned noise"
         )
-    for value in _endpoints(dim):
+    for value in endpoints(dim):
         try:
             SHAPES[path].validate_python(value)
         except ValidationError as error:
             reason = error.errors()[0]["msg"]
             raise ValueError(f"search_space.{path}: bad value {value!r}: {reason}") from None
-    if len(set(_endpoints(dim))) < len(_endpoints(dim)):
+    if len(set(endpoints(dim))) < len(endpoints(dim)):
         raise ValueError(f"search_space.{path}: values repeat")

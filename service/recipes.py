@@ -9,7 +9,9 @@ the learning rate, and the literature agrees on the first two:
   Classification through Scale", 2022, §3–4, B = 4096 on CIFAR-10; Sander et al., "TAN
   Without a Burn: Scaling Laws of DP-SGD", ICML 2023, who show that at a fixed σ/B accuracy
   depends on T). We take q = B/N near 1/4 on small datasets, B at most 4096, and enough
-  epochs for :data:`TARGET_STEPS` steps.
+  epochs for :data:`TARGET_STEPS` steps: with Adam, of about 100, 200, 400 and 700 steps at a
+  fixed ε, 400 did best on mnist1d and as well as any on digits; SGD's fixed rates, swept at
+  200 steps, diverged at 400 on digits at ε = 1 (docs/results.md, "More steps for Adam").
 - *The learning rate, matched to the clipping.* With automatic clipping (AUTO-S/AUTO-V,
   Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
   Stronger", NeurIPS 2023, paper 003) every per-example gradient is normalized, so the
@@ -36,13 +38,14 @@ import math
 
 from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationConfig
 from core.plan import score_std
-from core.spec import JobSpec
+from core.spec import JobSpec, endpoints
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
 SAMPLE_RATE = 0.25
 MIN_BATCH, MAX_BATCH = 16, 4096
-#: epochs are chosen so that a trial runs about this many steps ...
-TARGET_STEPS = 200
+#: epochs are chosen so that a trial runs about this many steps, by optimizer (Adam and AdamW,
+#: whose steps are normalised per coordinate; the others at the steps their rates were swept at)
+TARGET_STEPS: dict[OptimizerName, int] = {"sgd": 200, "adam": 400, "adamw": 400, "adambc": 200}
 #: ... within these bounds
 MIN_EPOCHS, MAX_EPOCHS = 1, 100
 #: learning rate of the Adam family, and of SGD per unit of clipped update
@@ -85,9 +88,18 @@ def batch_size(n: int) -> int:
     return min(n, MAX_BATCH, max(MIN_BATCH, b))
 
 
-def epochs(n: int, batch: int) -> float:
-    """Epochs for about TARGET_STEPS steps of batch ``batch``: T = epochs·N/B."""
-    return float(min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(TARGET_STEPS * batch / n))))
+def epochs(n: int, batch: int, steps: int) -> float:
+    """Epochs for about ``steps`` steps of batch ``batch``: T = epochs·N/B."""
+    return float(min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(steps * batch / n))))
+
+
+def target_steps(spec: JobSpec) -> int:
+    """The steps a trial of ``spec`` is given by default (:data:`TARGET_STEPS`): its
+    optimizer's, or the fewest of the optimizers it searches (one epochs value serves every
+    trial)."""
+    dim = spec.search_space.get("optimizer.name")
+    names = [spec.optimizer.name] if dim is None else endpoints(dim)
+    return min(TARGET_STEPS[name] for name in names)
 
 
 def learning_rate(optimizer: OptimizerName, method: MethodConfig) -> float:
@@ -128,10 +140,12 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     if spec.epochs is None and "epochs" not in searched:
         reference = _largest_batch(spec, update)
-        update["epochs"] = e = epochs(n, reference)
+        steps = target_steps(spec)
+        update["epochs"] = e = epochs(n, reference, steps)
         why["epochs"] = (
-            f"{e:g}: about {TARGET_STEPS} steps of batch {reference} (T = epochs·N/B); many "
-            "steps at a large batch is what keeps accuracy at a fixed ε (Sander et al. 2023)."
+            f"{e:g}: about {steps} steps of batch {reference} (T = epochs·N/B); many steps at "
+            "a large batch is what keeps accuracy at a fixed ε (Sander et al. 2023), 400 with "
+            "the Adam family, 200 with SGD, whose rates were swept there (docs/results.md)."
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:

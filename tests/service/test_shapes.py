@@ -120,7 +120,7 @@ def test_the_planner_fills_a_recipe_and_explains_it():
     planned = plan_job(JobSpec.model_validate(body), _dataset(), None)
     spec, plan = planned.spec, planned.plan
     assert spec.batch_size == recipes.batch_size(N) == 256  # a power of two near N/4
-    assert spec.epochs == recipes.epochs(N, 256) == 36  # ≈ 200 steps
+    assert spec.epochs == recipes.epochs(N, 256, 200) == 36  # ≈ 200 steps under SGD
     assert plan.steps == round(36 * N / 256)
     assert spec.optimizer.lr == recipes.SGD_LR  # Abadi clipping at C = 1
     assert {"batch_size", "epochs", "optimizer.lr"} <= plan.defaults.keys()
