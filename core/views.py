@@ -8,13 +8,26 @@ A field that is ``null`` for some callers is withheld from them: who sees what i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from core.plan import Plan
+
+
+def _stated(value: Any) -> Any:
+    """A dataset's ε as a view shows it: a number not finite is none that can be stated."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+#: ε through the dataset's privacy filter, or null where none can be stated at its δ: the
+#: (ε, δ) statements hold more than the filter's share of δ (Liu–Talwar jobs admitted before
+#: it, docs/privacy.md); nothing more is admitted then
+StatedEpsilon = Annotated[float | None, BeforeValidator(_stated)]
+STATED = "; null where no ε can be stated at the dataset's δ (docs/privacy.md)"
 
 
 class PlanOut(Plan):
@@ -22,8 +35,10 @@ class PlanOut(Plan):
     reserved."""
 
     dataset: int
-    remaining_epsilon: float = Field(description="the dataset's remaining ε now ...")
-    remaining_epsilon_after: float = Field(description="... and once this job is reserved")
+    remaining_epsilon: StatedEpsilon = Field(description="the dataset's remaining ε now" + STATED)
+    remaining_epsilon_after: StatedEpsilon = Field(
+        description="... and once this job is reserved" + STATED
+    )
     fits: bool = Field(description="whether the job's reservation fits the dataset's budget")
 
 
@@ -144,9 +159,11 @@ class BudgetOut(BaseModel):
 
     epsilon: float
     delta: float
-    spent: float
-    reserved: float
-    remaining: float
+    spent: StatedEpsilon = Field(description="ε of every charge" + STATED)
+    reserved: StatedEpsilon = Field(
+        description="what outstanding reservations add to `spent`" + STATED
+    )
+    remaining: StatedEpsilon = Field(description="`epsilon` less spent and reserved" + STATED)
     entries: Sequence[EntryOut] = Field(
         description="the newest ledger rows the caller sees, at most `limit`, oldest first "
         "(the whole ledger: GET /v1/datasets/{id}/ledger)"

@@ -1,8 +1,8 @@
 """Revisions 0011 (the ledger's second route) and 0012 (the dataset's privacy filter): rows
 written before 0011 count the same on both routes, and the running sums gain route B as a copy
 of route A, so every budget stays what it was; the downgrade takes route A back alone; rows
-counted as pairs by the earlier rule count as their curves from 0012 on (SQLite and
-PostgreSQL)."""
+counted as pairs by the earlier rule count as their curves from 0012 on, and Liu–Talwar pairs
+holding more than the filter's share of δ read as no ε stated (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ import numpy as np
 import pytest
 from alembic import command
 from alembic.config import Config
+from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from core import accounting
+from dptune.models import Budget
 from service import ledger
+from service.api import create_app
 from service.db import Dataset, Job, LedgerEntry, LedgerTotal, upgrade
 from service.db.schema import MIGRATIONS, _sqlite_foreign_keys_off
 
+from .conftest import OPERATOR_KEY, bearer, make_spec
 from .test_migrations import _analyst_key, _at_revision
 
 N = len(accounting.ORDERS)
+#: a PostgreSQL table's id counter moved past the ids a test inserted itself
+SET_SERIAL = "SELECT setval(pg_get_serial_sequence('{0}', 'id'), (SELECT max(id) FROM {0}))"
 
 
 def _to(engine, revision: str, down: bool = False) -> None:
@@ -135,3 +141,42 @@ def test_the_filter_recounts_earlier_pairs_as_curves(settings):
         want = accounting.Filter(100.0, 1e-3).spent(2 * curve, 0.0, 0.0)
         assert cached.committed == pytest.approx(want, rel=1e-12) and cached.spent == 0.0
     engine.dispose()
+
+
+def test_pairs_outgrowing_the_filters_share_read_as_no_statement(settings):
+    """Liu–Talwar jobs admitted before the filter (revision 0012) may hold more of δ than the
+    filter lets (ε, δ) pairs hold: then no ε can be stated at the dataset's δ. Every read says
+    so with null (not an infinity a client cannot parse, nor a 500), the Python client reads
+    it, and a plan shows that nothing more fits."""
+    engine = _at_revision(settings, "0011")
+    _dataset_with_jobs(engine, (1, 2))
+    with Session(engine) as session:
+        for job in (1, 2):
+            vec = ledger.amount(accounting.Charge(eps_delta=(1.0, 3e-4)))
+            ledger.append(session, session.get_one(Job, job), "charge", f"{job}:c", vec)
+        session.commit()
+    upgrade(engine)
+    if engine.dialect.name == "postgresql":  # its id counters did not see the ids given above
+        with engine.begin() as conn:
+            for table in ("api_key", "dataset", "job"):
+                conn.execute(text(SET_SERIAL.format(table)))
+    engine.dispose()
+    with TestClient(create_app(settings)) as client:
+        budget = client.get("/v1/datasets/1/budget", headers=bearer(OPERATOR_KEY))
+        assert budget.status_code == 200, budget.text
+        body = budget.json()
+        assert (body["epsilon"], body["delta"]) == (100.0, 1e-3)
+        assert body["spent"] is body["reserved"] is body["remaining"] is None
+        assert [e["delta"] for e in body["entries"]] == [3e-4, 3e-4]
+        assert Budget.model_validate(body).remaining is None
+        spec = make_spec(1) | {"model": {"name": "logreg"}, "batch_size": 4}
+        spec["validation"] = {"split": "private", "fraction": 0.5, "noise": 20.0}
+        plan = client.post("/v1/plans", json=spec, headers=bearer(OPERATOR_KEY))
+        assert plan.status_code == 200, plan.text
+        assert plan.json()["remaining_epsilon"] is None
+        assert plan.json()["remaining_epsilon_after"] is None
+        assert plan.json()["fits"] is False
+        refused = client.post("/v1/jobs", json=spec, headers=bearer(OPERATOR_KEY))
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["errors"][0]["field"] == "privacy.delta"
+        assert client.get("/v1/datasets/1/budget", headers=bearer(OPERATOR_KEY)).json() == body
