@@ -43,8 +43,8 @@ from core.spec import JobSpec, endpoints
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
 SAMPLE_RATE = 0.25
 MIN_BATCH, MAX_BATCH = 16, 4096
-#: epochs are chosen so that a trial runs about this many steps, by optimizer (Adam and AdamW,
-#: whose steps are normalised per coordinate; the others at the steps their rates were swept at)
+#: epochs are chosen so that a trial runs about this many steps, by optimizer: 400 where it
+#: was measured to help (Adam, and AdamW, the same step), 200 where the rates were swept
 TARGET_STEPS: dict[OptimizerName, int] = {"sgd": 200, "adam": 400, "adamw": 400, "adambc": 200}
 #: ... within these bounds
 MIN_EPOCHS, MAX_EPOCHS = 1, 100
@@ -144,8 +144,9 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         update["epochs"] = e = epochs(n, reference, steps)
         why["epochs"] = (
             f"{e:g}: about {steps} steps of batch {reference} (T = epochs·N/B); many steps at "
-            "a large batch is what keeps accuracy at a fixed ε (Sander et al. 2023), 400 with "
-            "the Adam family, 200 with SGD, whose rates were swept there (docs/results.md)."
+            "a large batch is what keeps accuracy at a fixed ε (Sander et al. 2023): 400 with "
+            "Adam or AdamW, 200 with SGD, whose rates were swept there, or DP-AdamBC "
+            "(docs/results.md)."
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
