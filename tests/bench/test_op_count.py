@@ -27,10 +27,11 @@ def test_the_dp_step_dispatches_more_operations_than_the_non_private(bench, caps
 
 #: the DP step's operations over the non-private step's (issue 43's CPU proxy of kernel launches
 #: on a GPU): the transformer 200 / 142 = 1.41 at B = 64 (the goal, 1.5, met), resnet18
-#: 537 / 207 = 2.59 (not met: its book-kept convolutions, docs/performance.md); regression
-#: bounds a little above. resnet18 is counted at B = 16, where its counts are those of B = 64
-#: (no chunk of its step depends on B below 256), in a quarter of the time.
-RATIO_BOUNDS = {("resnet18", 16): 2.65, ("transformer", 64): 1.45}
+#: 447 / 207 = 2.16 at B = 16 (not met: its book-kept convolutions, docs/performance.md);
+#: regression bounds a little above. resnet18 is counted at B = 16, in a quarter of the time of
+#: B = 64, where its stacked convolutions' norms and sums take two chunks of samples each
+#: (482, 2.33×).
+RATIO_BOUNDS = {("resnet18", 16): 2.2, ("transformer", 64): 1.45}
 
 
 @pytest.mark.parametrize(("model", "batch"), RATIO_BOUNDS)

@@ -84,6 +84,29 @@ def conv1d_ulp() -> tuple[nn.Module, Tensor, Tensor]:
     return nn.Conv1d(256, 256, 1), x.mT.contiguous(), target.mT.contiguous()
 
 
+class Twin(nn.Module):
+    """Two 1-wide convolutions of one geometry on the same input, their outputs added: both get
+    the same cancelling gradient, and the clipper measures and sums them as the two maps of one
+    grouped convolution (``workers.dp.ghost.clipper._Stack``)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv1d(channels, channels, 1), nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) + self.b(x)
+
+
+def conv1d_twin() -> tuple[nn.Module, Tensor, Tensor]:
+    _, x, target = conv1d()
+    return Twin(4), x, target
+
+
+def conv1d_ulp_twin() -> tuple[nn.Module, Tensor, Tensor]:
+    _, x, target = conv1d_ulp()
+    return Twin(256), x, target
+
+
 def embedding() -> tuple[nn.Module, Tensor, Tensor]:
     """One id at both positions, output gradients w and -w + η: the row's gradient is η."""
     g = torch.Generator().manual_seed(0)
@@ -100,6 +123,8 @@ LAYERS = {
     "conv1d_ghost": conv1d,  # patches of one position: the same ghost norm
     "linear_ulp": linear_ulp,
     "conv1d_ulp": conv1d_ulp,
+    "conv1d_twin": conv1d_twin,
+    "conv1d_ulp_twin": conv1d_ulp_twin,
     "embedding": embedding,
 }
 
@@ -114,7 +139,7 @@ def test_no_example_contributes_more_than_its_bound(
 
 
 @pytest.mark.parametrize("function", ["abadi", "auto_v"])
-@pytest.mark.parametrize("layer", ["conv1d_ghost", "conv1d_ulp"])
+@pytest.mark.parametrize("layer", ["conv1d_ghost", "conv1d_ulp", "conv1d_ulp_twin"])
 def test_conv_norms_from_pixels_keep_the_bound(
     monkeypatch: pytest.MonkeyPatch, layer: str, function: str
 ) -> None:

@@ -165,6 +165,31 @@ class Convs(nn.Module):
         return self.head(torch.cat([a, b], 1))
 
 
+class Stage(nn.Module):
+    """resnet18's later stages in small: convolutions of one geometry each called once on inputs
+    of one shape, whose ghost norm is the cheaper one (book-kept): three 3×3 ones on 3×3
+    positions (norms from pixels; two with a bias), two stride-3 ones reading the same input
+    (norms from patches), and two Conv1d ones over 4 positions; plus a GroupNorm between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(4, 16, 3, stride=3)  # 9×9 → 3×3
+        self.skip = nn.Conv2d(4, 16, 3, stride=3, bias=False)
+        self.a, self.b = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.c = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.gn = nn.GroupNorm(4, 16)
+        self.s1, self.s2 = nn.Conv1d(4, 16, 5, stride=2, padding=1), nn.Conv1d(4, 16, 5, 2, 1)
+        self.head = nn.Linear(16 * 9 + 16 * 4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.down(x)) + self.skip(x)
+        h = torch.relu(self.gn(self.a(h)))
+        h = h + self.c(torch.relu(self.b(h)))
+        seq = x[:, :, 0, :]  # [B, 4, 9]
+        s = torch.tanh(self.s1(seq)) * self.s2(seq)
+        return self.head(torch.cat([h.flatten(1), s.flatten(1)], 1))
+
+
 class Shared(nn.Module):
     """One Linear applied twice: its per-sample gradient is the sum over both calls."""
 
@@ -246,6 +271,74 @@ def test_sequence_layers_match_reference(style_name: str) -> None:
 def test_convolutions_and_group_norm_match_reference(style_name: str) -> None:
     torch.manual_seed(0)
     check(Convs(), *data("image"), style_name)
+
+
+@pytest.mark.parametrize("style_name", STYLES)
+def test_stacked_convolutions_match_reference(style_name: str) -> None:
+    torch.manual_seed(0)
+    check(Stage(), *data("image"), style_name)
+
+
+@pytest.mark.parametrize(
+    ("style_name", "stacks"),
+    [
+        ("all_layer", [["a", "b", "c"], ["down", "skip"], ["s1", "s2"]]),
+        ("layer_wise", []),  # one layer a group: nothing to stack
+        # layer a in a group of its own: b and c still stack
+        ("split", [["b", "c"], ["down", "skip"], ["s1", "s2"]]),
+    ],
+)
+def test_convolutions_of_one_geometry_in_one_group_are_measured_and_summed_once(
+    monkeypatch: pytest.MonkeyPatch, style_name: str, stacks: list[list[str]]
+) -> None:
+    """Each stack takes one norm bound (over the maps of one grouped convolution) and one sum."""
+    measured: list[list[str]] = []
+    norms = ghost_layers.ConvRule.weight_norms
+
+    def spy(self, module: nn.Module, calls) -> object:
+        measured.append([n for n, m in model.named_modules() if m is module] or [module.groups])
+        return norms(self, module, calls)
+
+    monkeypatch.setattr(ghost_layers.ConvRule, "weight_norms", spy)
+    torch.manual_seed(0)
+    model = Stage()
+    names = [n for n, _ in model.named_parameters()]
+    groups = (
+        [["a.weight", "a.bias"], [n for n in names if not n.startswith("a.")]]
+        if style_name == "split"
+        else style(model, style_name)
+    )
+    formed: list[list[str]] = []
+    stack = ghost_clipper._Stack.__init__
+
+    def record(self, layers) -> None:
+        formed.append(sorted(layer.name for layer in layers))
+        stack(self, layers)
+
+    monkeypatch.setattr(ghost_clipper._Stack, "__init__", record)
+    clipped_grad_sum(model, LOSS, *data("image"), groups, abadi(0.5))
+    assert sorted(formed) == stacks
+    # a stack's one bound is taken on its grouped convolution (G maps), the others on their own
+    assert sorted(m for m in measured if isinstance(m[0], int)) == sorted([len(s)] for s in stacks)
+    assert len(measured) == 7 - sum(len(s) - 1 for s in stacks)
+    norms, sums = clipped_grad_sum(model, LOSS, *data("image"), groups, abadi(0.5))
+    ref_norms, ref_sums = reference(model, *data("image"), groups, abadi(0.5), norms)
+    assert_bound(norms, ref_norms, "norms")
+    for name, value in sums.items():
+        assert_close(value, ref_sums[name], name)
+
+
+def test_stacked_convolutions_match_in_chunks_and_with_instantiated_norms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stacks measured and summed a sample at a time, then with every norm instantiated."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(ghost_layers, "CHUNK_ELEMENTS", 64)
+    check(Stage(), *data("image"), "all_layer")
+    monkeypatch.undo()
+    monkeypatch.setattr(ghost_layers, "use_ghost", lambda *_: False)
+    monkeypatch.setattr(ghost_layers.ConvRule, "keeps_per_sample", lambda *_: False)
+    check(Stage(), *data("image"), "all_layer")
 
 
 def test_chunked_norms_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,15 +45,17 @@ MODELS = {  # name: (options, input shape)
     # sequence Linear layers, an Embedding, LayerNorm
     "transformer": ({"dim": 8, "heads": 2, "layers": 1, "ff": 16}, (3, 5)),
     "lstm": ({"hidden": 5}, (3, 6)),  # a Linear called once per time step
-    "resnet18": ({"width": 4, "norm_groups": 2}, (3, 8, 8)),  # GroupNorm, kept conv gradients
+    # GroupNorm, kept conv gradients, stacked book-kept convolutions
+    "resnet18": ({"width": 4, "norm_groups": 2}, (3, 8, 8)),
 }
 # The fast path with LayerNorm taken off its rules: LayerNorm parameters use torch.func.
 FALLBACK = "transformer"
 # The general path treats every model alike (vmap over the batch): two models are enough,
 # which keeps this file well under a minute on two cores.
 GENERAL_MODELS = {"logreg", "transformer"}
-# resnet18 is the heavy case: two styles of it (the other models cover all four).
-STYLES_OF = {"resnet18": ["layer_wise", "groups"]}
+# resnet18 is the heavy case: three styles of it (the other models cover all four); all-layer
+# clipping stacks its later stages' same-shaped convolutions (``workers.dp.ghost.clipper``).
+STYLES_OF = {"resnet18": ["all_layer", "layer_wise", "groups"]}
 CLEAN, HOSTILE = [0, 2, 6, 7], {"nan": 1, "inf": 3, "huge": 4, "tiny": 5}
 
 

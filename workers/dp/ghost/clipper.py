@@ -31,6 +31,14 @@ operations (kernel launches on a GPU) a group however many tensors it has; large
 operation costs little beyond its arithmetic and the copy into the buffer a pass over memory,
 each tensor is clipped alone (``flat_limit``).
 
+Book-kept weights stack likewise: layers of one geometry called once on inputs of one shape
+(``LayerRule.stack_key``: resnet18's same-shaped convolutions of a stage), whose weights are in
+one group, are measured and summed as the maps of one layer (``_Stack``): their inputs and
+output gradients concatenated once, then one norm bound over all of them (which is what the
+group's norm adds up anyway) and one clipped sum, split back into their buffers. The bound over
+the maps is the rule's own (a grouped convolution's), so the guard of ``layers.py`` holds for
+each map's rows as it does for each conv group's.
+
 Hostile records (docs/design.md, invariant 9): norms are float32 upper bounds
 (``workers.dp.bounds``; ``layers.py`` explains the guard that keeps norms over several positions
 an upper bound on what is summed); an example gets clip factor 0 in a group where its bound is
@@ -56,7 +64,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +132,13 @@ class _Layer:
         ``∂L/∂s``, not from per-sample gradients), else None."""
         return self.params.get("weight") if self.calls and self.rule.has_weight_matrix else None
 
+    def stack_key(self, group_of: Mapping[str, int]) -> Hashable | None:
+        """Where its weight is book-kept: its group and its rule's ``stack_key`` (None: it is
+        measured alone)."""
+        name = self.book_kept
+        key = None if name is None else self.rule.stack_key(self.module, self.calls)
+        return None if key is None or name is None else (group_of[name], type(self.rule), key)
+
     def bounds(self) -> dict[str, Bound]:
         """A bound on the per-sample norm of its book-kept weight, by full name."""
         name = self.book_kept
@@ -137,9 +152,9 @@ class _Layer:
         self.kept = None
         return {self.params[attr]: g for attr, g in kept.items()}
 
-    def add_sums(self, coef: Tensor, rows: Rows, out: Tensor) -> None:
-        """Add the clipped sum of its book-kept weight into ``out``, for factors ``coef``, from
-        its tensors passed through ``rows`` (which zeroes dropped examples).
+    def add_sums(self, coef: Tensor, rows: Rows, out: Mapping[str, Tensor]) -> None:
+        """Add the clipped sum of its book-kept weight into its buffer in ``out``, for factors
+        ``coef``, from its tensors passed through ``rows`` (which zeroes dropped examples).
 
         Zeroing copies what it zeroes, so a rank-one layer's book-kept inputs of more than
         ``MASK_CHUNK_BYTES`` (logreg's and the mlp's wide first layer, whose one product is
@@ -154,13 +169,15 @@ class _Layer:
             if not flat or size <= MASK_CHUNK_BYTES
             else max(1, batch * MASK_CHUNK_BYTES // size)
         )
+        name = self.book_kept
+        assert name is not None
         for start in range(0, batch, step):
             part = slice(start, start + step)
             self.rule.add_weight_sum(
                 self.module,
                 [Call(rows(c.activation, part), rows(c.grad, part)) for c in self.calls],
                 coef[part],
-                out,
+                out[name],
             )
 
     def release(self) -> None:
@@ -168,6 +185,63 @@ class _Layer:
         self.saved.clear()
         self.calls.clear()
         self.kept = None
+
+
+class _Stack:
+    """Book-kept layers of one rule's ``stack_key`` whose weights are in one group, measured and
+    summed as the maps of one layer (``LayerRule.stacked``): one norm bound over all their
+    weights (the group's norm takes the bounds' squares added, which a bound over the maps
+    already is) and one clipped sum, split back into their buffers."""
+
+    def __init__(self, layers: list[_Layer]) -> None:
+        first = layers[0]
+        self.layers, self.rule = layers, first.rule
+        self.module, call = first.rule.stacked(
+            [layer.module for layer in layers], [layer.calls[0] for layer in layers]
+        )
+        self.calls = [call]
+        self.weights = [name for layer in layers if (name := layer.book_kept) is not None]
+        self.names = [name for layer in layers for name in layer.names]
+        self.book_kept = first.book_kept
+
+    def bounds(self) -> dict[str, Bound]:
+        assert self.book_kept is not None
+        return {self.book_kept: self.rule.weight_norms(self.module, self.calls)}
+
+    def per_sample(self) -> dict[str, Tensor]:
+        """Its layers' small per-sample gradients (biases), handed over; their own ``a`` and
+        ``∂L/∂s`` are dropped (the stacked copies stay for the sum)."""
+        rows = {name: g for layer in self.layers for name, g in layer.per_sample().items()}
+        for layer in self.layers:
+            layer.release()
+        return rows
+
+    def add_sums(self, coef: Tensor, rows: Rows, out: Mapping[str, Tensor]) -> None:
+        """One clipped sum over the maps, its G parts added into the layers' buffers."""
+        (call,) = self.calls
+        total = self.rule.weight_sum(
+            self.module, [Call(rows(call.activation), rows(call.grad))], coef
+        )
+        parts = total.chunk(len(self.layers))
+        torch._foreach_add_([out[name] for name in self.weights], parts)
+
+    def release(self) -> None:
+        self.calls.clear()
+
+
+def _stacked(units: list[_Layer | _Fallback], group_of: dict[str, int]) -> list[_Unit]:
+    """``units`` with the book-kept layers that share a rule's ``stack_key`` and their weight's
+    group replaced by one ``_Stack`` each."""
+    stacks: dict[Hashable, list[_Layer]] = {}
+    alone: list[_Unit] = []
+    for unit in units:
+        key = unit.stack_key(group_of) if isinstance(unit, _Layer) else None
+        if key is None:
+            alone.append(unit)
+        else:
+            assert isinstance(unit, _Layer)
+            stacks.setdefault(key, []).append(unit)
+    return alone + [layers[0] if len(layers) == 1 else _Stack(layers) for layers in stacks.values()]
 
 
 class _Fallback:
@@ -187,6 +261,10 @@ class _Fallback:
 
     def release(self) -> None:
         self.grads.clear()
+
+
+#: what a group measures: a layer, a stack of layers, or the fallback's parameters
+_Unit = _Layer | _Stack | _Fallback
 
 
 class _Groups:
@@ -218,7 +296,7 @@ class _Groups:
         self.converted: dict[tuple[int, torch.dtype], Tensor] = {}  # ``factors``, by dtype
         self.dropped: dict[int, Tensor] = {}  # ``_drop``, by group
         self.arrived: list[_Layer | _Fallback] = []  # norms not taken yet
-        self.measured: list[_Layer] = []  # book-kept weight measured, its sum not added yet
+        self.measured: list[_Layer | _Stack] = []  # book-kept weights measured, sums not added yet
 
     def _groups(self, unit: _Layer | _Fallback) -> set[int]:
         return {self.group_of[name] for name in unit.names}
@@ -230,23 +308,24 @@ class _Groups:
         complete = {m for m in self._groups(unit) if not self.missing[m]}
         if not complete:
             return
-        for other in [u for u in self.arrived if self._groups(u) & complete]:
+        ready = [u for u in self.arrived if self._groups(u) & complete]
+        self.arrived = [u for u in self.arrived if not self._groups(u) & complete]
+        for other in _stacked(ready, self.group_of):
             self._measure(other)
         for m in complete:
             self._clip(m)
         self.measured = [u for u in self.measured if not self._sum(u)]
 
-    def _measure(self, unit: _Layer | _Fallback) -> None:
+    def _measure(self, unit: _Unit) -> None:
         """Take ``unit``'s book-kept bounds and its instantiated per-sample gradients."""
         for name, bound in unit.bounds().items():
             self.bounds[self.group_of[name]].append(bound)
         for name, g in unit.per_sample().items():
             self.rows[self.group_of[name]].setdefault(g.dtype, {})[name] = g
-        self.arrived.remove(unit)
         if unit.book_kept is None:
             unit.release()
         else:
-            assert isinstance(unit, _Layer)
+            assert not isinstance(unit, _Fallback)
             self.measured.append(unit)
 
     def _clip(self, m: int) -> None:
@@ -272,14 +351,14 @@ class _Groups:
             self.converted[m, dtype] = factors_as(self.coef[m], dtype)
         return self.converted[m, dtype]
 
-    def _sum(self, unit: _Layer) -> bool:
-        """Add ``unit``'s book-kept weight sum to ``out`` if the weight's group is clipped."""
+    def _sum(self, unit: _Layer | _Stack) -> bool:
+        """Add ``unit``'s book-kept weight sums to ``out`` if their group is clipped."""
         name = unit.book_kept
         assert name is not None
         m = self.group_of[name]
         if m not in self.coef:
             return False
-        unit.add_sums(self.coef[m], _zeroing(self._drop(m)), self.out[name])
+        unit.add_sums(self.coef[m], _zeroing(self._drop(m)), self.out)
         unit.release()
         return True
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,6 +298,19 @@ class LayerRule:
     ) -> None:
         out.add_(self.weight_sum(module, calls, coef))
 
+    def stack_key(self, module: nn.Module, calls: Sequence[Call]) -> Hashable | None:
+        """Book-kept layers of one key are measured and summed together, as the maps of one
+        layer (``stacked``); None: this one alone."""
+        return None
+
+    def stacked(
+        self, modules: Sequence[nn.Module], calls: Sequence[Call]
+    ) -> tuple[nn.Module, Call]:
+        """One layer (parameters on the meta device: only their shapes are read) and its call
+        whose weight gradient is that of ``modules``, each called once (``calls``), stacked on
+        the first axis of the weight."""
+        raise NotImplementedError
+
 
 def _bias_rows(module: nn.Module, calls: Sequence[Call], channel_dim: int) -> dict[str, Tensor]:
     """Per-sample bias gradient [B, p]: output gradients summed over every non-channel axis."""
@@ -465,7 +478,8 @@ class ConvRule(LayerRule):
     ) -> tuple[Tensor, Tensor]:
         """Patches [b, G, T, d] and output gradients [b, G, T, p] of the samples in ``part``,
         calls concatenated along T, one map per conv group. A patch's d values are in
-        channels-last order, (k_h, k_w, C_in/G) (``_channels_last_patches``)."""
+        channels-last order, (k_h, k_w, C_in/G) (``_channels_last_patches``). The patches are
+        copied maps first, so that the sum's [G, b·T, d] (``positions_sum``) is a view of them."""
         patches, grads = [], []
         for call in calls:
             x4, geo = self._as_2d(module, call.activation[part])
@@ -473,7 +487,8 @@ class ConvRule(LayerRule):
             out = g.shape[2:] if isinstance(module, nn.Conv2d) else (1, g.shape[-1])
             b, groups, positions = len(g), module.groups, math.prod(out)
             view = _channels_last_patches(x4, out, geo, groups)  # [b, *out, k…, G, C_in/G]
-            patches.append(view.permute(0, 5, 1, 2, 3, 4, 6).reshape(b, groups, positions, -1))
+            maps_first = view.permute(5, 0, 1, 2, 3, 4, 6).reshape(groups, b, positions, -1)
+            patches.append(maps_first.transpose(0, 1))
             grads.append(g.reshape(b, groups, -1, positions).transpose(-1, -2))
         return _cat(patches, 2), _cat(grads, 2)
 
@@ -545,6 +560,33 @@ class ConvRule(LayerRule):
             out.append(_ghost_squares(gram, g, spread, scale, d, _sum_rows(positions)))
         return bounds.from_squares(_cat(out, 0), bounds.guarded_scale(groups))
 
+    def stack_key(self, module: nn.Module, calls: Sequence[Call]) -> Hashable | None:
+        """Ungrouped convolutions of one geometry called once on inputs of one shape: stacked
+        (``stacked``), they are the G maps of one grouped convolution, whose norm over the maps
+        and per-map sums ``positions_norms`` and ``positions_sum`` already take in one set of
+        operations (resnet18's three same-shaped convolutions of a stage)."""
+        assert isinstance(module, nn.Conv1d | nn.Conv2d)
+        if len(calls) != 1 or module.groups != 1:
+            return None
+        a, g = calls[0].activation, calls[0].grad
+        geometry = (module.kernel_size, module.stride, module.padding, module.dilation)
+        return type(module), geometry, a.shape[1:], g.shape[1:], a.dtype, g.dtype, a.device
+
+    def stacked(
+        self, modules: Sequence[nn.Module], calls: Sequence[Call]
+    ) -> tuple[nn.Module, Call]:
+        """The convolution of G = len(``modules``) conv groups whose group k is ``modules[k]``:
+        inputs and output gradients concatenated on the channel axis (two copies)."""
+        first = modules[0]
+        assert isinstance(first, nn.Conv1d | nn.Conv2d)
+        grouped = _grouped(
+            isinstance(first, nn.Conv1d),
+            (first.in_channels, first.out_channels, len(modules)),
+            (first.kernel_size, first.stride, first.padding, first.dilation),
+        )
+        cat = functools.partial(torch.cat, dim=1)
+        return grouped, Call(cat([c.activation for c in calls]), cat([c.grad for c in calls]))
+
     def weight_sum(self, module: nn.Module, calls: Sequence[Call], coef: Tensor) -> Tensor:
         """``Σ_i coef[i] Σ_t g_t a_tᵀ`` by ``positions_sum`` over the patches, a chunk of
         samples at a time (``_sum_chunks``: at most max(T, ``SUM_ROWS``) rows, and the padded
@@ -570,6 +612,26 @@ class ConvRule(LayerRule):
         kernel = module.weight.shape[2:]
         channels_last = total.view(module.out_channels, *kernel, -1)  # [O, k…, C_in/G]
         return channels_last.movedim(-1, 1).reshape(module.weight.shape)
+
+
+@functools.cache
+def _grouped(one_d: bool, channels: tuple[int, int, int], geometry: tuple) -> nn.Conv1d | nn.Conv2d:
+    """A Conv1d (``one_d``) or Conv2d of G conv groups of ``channels`` (in, out, G) a group, on
+    the meta device (``ConvRule.stacked``: the rule reads only its geometry and its weight's
+    shape)."""
+    inputs, outputs, maps = channels
+    kernel, stride, padding, dilation = geometry
+    return (nn.Conv1d if one_d else nn.Conv2d)(
+        maps * inputs,
+        maps * outputs,
+        kernel,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=maps,
+        bias=False,
+        device="meta",
+    )
 
 
 def _channels_last_patches(
