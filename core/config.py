@@ -52,6 +52,8 @@ ADAM_EPS = (1e-12, 1.0)
 #: AUTO-S's stability constant γ (paper 003) and DP-AdamBC's floor γ′ (paper 004)
 AUTO_S_GAMMA = (1e-6, 1e2)
 GAMMA_PRIME = (1e-16, 1.0)
+#: DP-AdamBC's floor in units of the noise variance it removes (κ: the denominator ≥ √κ·s)
+NOISE_FLOOR = (0.0, 100.0)
 WEIGHT_DECAY = (0.0, 10.0)
 #: η_C of Andrew et al.'s geometric update
 THRESHOLD_RATE = (1e-4, 10.0)
@@ -364,6 +366,13 @@ class OptimizerConfig(Strict):
         le=GAMMA_PRIME[1],
         description="γ′, DP-AdamBC's floor on the bias-corrected second moment (paper 004, "
         "Algorithm 2).",
+    )
+    noise_floor: float = Field(
+        0.0,
+        ge=NOISE_FLOOR[0],
+        le=NOISE_FLOOR[1],
+        description="κ, DP-AdamBC's floor on the bias-corrected second moment in units of the "
+        "noise variance s² it removes: the floor is max(γ′, κ·s²).",
     )
 
 

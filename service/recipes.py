@@ -10,8 +10,9 @@ the learning rate, and the literature agrees on the first two:
   Without a Burn: Scaling Laws of DP-SGD", ICML 2023, who show that at a fixed σ/B accuracy
   depends on T). We take q = B/N near 1/4 on small datasets, B at most 4096, and enough
   epochs for :data:`TARGET_STEPS` steps: with Adam, of about 100, 200, 400 and 700 steps at a
-  fixed ε, 400 did best on mnist1d and as well as any on digits; SGD's fixed rates, swept at
-  200 steps, diverged at 400 on digits at ε = 1 (docs/results.md, "More steps for Adam").
+  fixed ε, 400 did best on mnist1d and as well as any on digits (DP-AdamBC gained at 400
+  too); SGD's fixed rates, swept at 200 steps, diverged at 400 on digits at ε = 1
+  (docs/results.md, "More steps for Adam").
 - *The learning rate, matched to the clipping.* With automatic clipping (AUTO-S/AUTO-V,
   Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
   Stronger", NeurIPS 2023, paper 003) every per-example gradient is normalized, so the
@@ -44,12 +45,17 @@ from core.spec import JobSpec, endpoints
 SAMPLE_RATE = 0.25
 MIN_BATCH, MAX_BATCH = 16, 4096
 #: epochs are chosen so that a trial runs about this many steps, by optimizer: 400 where it
-#: was measured to help (Adam, and AdamW, the same step), 200 where the rates were swept
-TARGET_STEPS: dict[OptimizerName, int] = {"sgd": 200, "adam": 400, "adamw": 400, "adambc": 200}
+#: was measured to help (Adam, AdamW, the same step, and DP-AdamBC), 200 where SGD's rates were
+#: swept
+TARGET_STEPS: dict[OptimizerName, int] = {"sgd": 200, "adam": 400, "adamw": 400, "adambc": 400}
 #: ... within these bounds
 MIN_EPOCHS, MAX_EPOCHS = 1, 100
 #: learning rate of the Adam family, and of SGD per unit of clipped update
 ADAM_LR = 1e-2
+#: DP-AdamBC's rate and its floor κ in units of the noise variance (``noise_floor``): with the
+#: paper's absolute γ′ alone its untuned runs did not train (docs/results.md, "DP-AdamBC")
+ADAMBC_LR = 3e-3
+ADAMBC_NOISE_FLOOR = 0.1
 SGD_LR = 0.5
 #: SGD's learning rate under automatic clipping, whose update is a mean of unit-norm vectors
 AUTO_SGD_LR = 1.4
@@ -103,9 +109,12 @@ def target_steps(spec: JobSpec) -> int:
 
 
 def learning_rate(optimizer: OptimizerName, method: MethodConfig) -> float:
-    """Adam-family optimizers adapt their step per coordinate, so one rate serves; SGD's step
+    """Adam-family optimizers adapt their step per coordinate, so one rate serves (DP-AdamBC's
+    own, with its noise floor: its denominators can be smaller than Adam's); SGD's step
     scales with the update's norm: automatic clipping's has its own rate, Abadi's is at most C
     (an adaptive rule's initial C₀)."""
+    if optimizer == "adambc":
+        return ADAMBC_LR
     if optimizer != "sgd":
         return ADAM_LR
     return AUTO_SGD_LR if method.clipping != "abadi" else SGD_LR / method.threshold
@@ -145,15 +154,31 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         why["epochs"] = (
             f"{e:g}: about {steps} steps of batch {reference} (T = epochs·N/B); many steps at "
             "a large batch is what keeps accuracy at a fixed ε (Sander et al. 2023): 400 with "
-            "Adam or AdamW, 200 with SGD, whose rates were swept there, or DP-AdamBC "
-            "(docs/results.md)."
+            "the Adam family, 200 with SGD, whose rates were swept there (docs/results.md)."
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
         lr = learning_rate(optimizer.name, method)
-        update["optimizer"] = optimizer.model_copy(update={"lr": lr})
+        update["optimizer"] = optimizer = optimizer.model_copy(update={"lr": lr})
         why["optimizer.lr"] = _lr_reason(lr, optimizer.name, method)
+    if _floor_left_out(spec):
+        update["optimizer"] = optimizer.model_copy(update={"noise_floor": ADAMBC_NOISE_FLOOR})
+        why["optimizer.noise_floor"] = (
+            f"{ADAMBC_NOISE_FLOOR:g}: DP-AdamBC's denominator is at least √κ = "
+            f"{ADAMBC_NOISE_FLOOR**0.5:.2g} times the noise's standard deviation. The paper's "
+            "floor γ′ alone is absolute: where the second moment is mostly noise, v̂ − s² falls "
+            "to γ′ and a step grows to lr·m̂/√γ′; untuned runs did not train (docs/results.md)."
+        )
     return spec.model_copy(update=update), why
+
+
+def _floor_left_out(spec: JobSpec) -> bool:
+    """Whether DP-AdamBC may run and the spec chose neither of its floors (γ′, κ; neither is
+    searchable)."""
+    dim = spec.search_space.get("optimizer.name")
+    names = [spec.optimizer.name] if dim is None else endpoints(dim)
+    chosen = {"gamma_prime", "noise_floor"} & spec.optimizer.model_fields_set
+    return "adambc" in names and not chosen
 
 
 def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[str, str]]:
@@ -205,6 +230,11 @@ def _method_reason(optimizer: OptimizerName) -> str:
 
 
 def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str:
+    if optimizer == "adambc":
+        return (
+            f"{lr:g}: the DP-AdamBC rate that did best with its noise floor κ = "
+            f"{ADAMBC_NOISE_FLOOR:g} in a sweep of 10⁻³, 3·10⁻³, 10⁻² (docs/results.md)."
+        )
     if optimizer != "sgd":
         return f"{lr:g}: the Adam-family rate that did best in a sweep (service/recipes.py)."
     if method.clipping != "abadi":

@@ -95,15 +95,15 @@ def test_a_named_method_is_kept_exactly_and_a_filled_spec_is_not_filled_again(me
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "steps"), [("sgd", 200), ("adam", 400), ("adamw", 400), ("adambc", 200)]
+    ("optimizer", "steps"), [("sgd", 200), ("adam", 400), ("adamw", 400), ("adambc", 400)]
 )
 @pytest.mark.parametrize("n", [60, 1294, 3600, 60_000])
 def test_the_default_epochs_give_about_the_optimizers_steps_and_the_plan_says_so(
     optimizer, steps, n
 ):
-    """Adam's normalised steps did best at about 400 steps, SGD's fixed rates were swept at
-    200 (docs/results.md): T = epochs·N/B lands within one epoch's steps of the target (or at
-    the epochs' bounds)."""
+    """Adam's and DP-AdamBC's normalised steps did best at about 400 steps, SGD's fixed rates
+    were swept at 200 (docs/results.md): T = epochs·N/B lands within one epoch's steps of the
+    target (or at the epochs' bounds)."""
     filled, why = recipes.fill(
         JobSpec.model_validate(
             {**make_spec(1), "optimizer": {"name": optimizer}, "search_space": {}}
@@ -130,6 +130,37 @@ def test_a_search_over_optimizers_gets_the_fewest_steps_of_them():
     assert recipes.fill(JobSpec.model_validate(adam_only), 1294)[0].epochs == recipes.epochs(
         1294, filled.batch_size, 400
     )
+
+
+@pytest.mark.parametrize(
+    "search",
+    [{}, {"optimizer.name": {"grid": ["adam", "adambc"]}}, {"batch_size": {"grid": [32, 64]}}],
+)
+def test_adambc_gets_its_rate_and_a_floor_in_units_of_the_noise_and_the_plan_says_why(search):
+    spec = _spec({"clipping": "abadi"}, "adambc", search_space=search)
+    filled, why = recipes.fill(spec, N)
+    assert filled.optimizer.noise_floor == recipes.ADAMBC_NOISE_FLOOR
+    assert filled.optimizer.gamma_prime == spec.optimizer.gamma_prime  # the paper's γ′ kept
+    assert why["optimizer.noise_floor"].startswith(f"{recipes.ADAMBC_NOISE_FLOOR:g}: ")
+    if "optimizer.name" not in search:
+        assert filled.optimizer.lr == recipes.ADAMBC_LR
+        assert "DP-AdamBC" in why["optimizer.lr"]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "search"),
+    [
+        ({"name": "adambc", "gamma_prime": 1e-6}, {}),  # a floor of its own: the paper's rule
+        ({"name": "adambc", "noise_floor": 0.0}, {}),
+        ({"name": "adam"}, {}),  # no DP-AdamBC trial
+        ({"name": "sgd"}, {"optimizer.name": {"grid": ["sgd", "adam"]}}),
+    ],
+)
+def test_a_floor_the_spec_chooses_or_no_adambc_trial_is_left_alone(optimizer, search):
+    spec = JobSpec.model_validate(make_spec(1) | {"optimizer": optimizer, "search_space": search})
+    filled, why = recipes.fill(spec, N)
+    assert filled.optimizer.noise_floor == spec.optimizer.noise_floor
+    assert "optimizer.noise_floor" not in why
 
 
 @pytest.mark.parametrize("clipping", ["auto_s", "auto_v"])

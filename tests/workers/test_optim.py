@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.config import OptimizerConfig
 from workers.dp.optim import SGD, Adam, AdamBC, build_optimizer
@@ -30,10 +32,12 @@ def test_adambc_without_noise_equals_adam_without_epsilon():
     torch.testing.assert_close(ours, adam)
 
 
-def test_adambc_floor_and_noise_correction_by_hand():
+@pytest.mark.parametrize("kappa", [0.0, 0.5])
+def test_adambc_floor_and_noise_correction_by_hand(kappa):
+    """κ = 0: the paper's floor γ′; κ = 0.5: max(γ′, κ·s²) = 0.125 binds the middle coordinate."""
     lr, b1, b2, gp, s = 0.1, 0.9, 0.99, 1e-2, 0.5
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = AdamBC([p], lr=lr, betas=(b1, b2), gamma_prime=gp)
+    opt = AdamBC([p], lr=lr, betas=(b1, b2), gamma_prime=gp, noise_floor=kappa)
     opt.noise_std = s
     grads = [torch.tensor([2.0, 0.3, 0.0]), torch.tensor([1.0, -0.4, 0.0])]
     m = v = torch.zeros(3)
@@ -44,9 +48,38 @@ def test_adambc_floor_and_noise_correction_by_hand():
         m = b1 * m + (1 - b1) * grad
         v = b2 * v + (1 - b2) * grad**2
         m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
-        theta = theta - lr * m_hat / torch.sqrt(torch.clamp(v_hat - s**2, min=gp))
+        floor = max(gp, kappa * s**2)
+        theta = theta - lr * m_hat / torch.sqrt(torch.clamp(v_hat - s**2, min=floor))
     torch.testing.assert_close(p.detach(), theta)
     assert p[2] == 0  # zero gradient: m̂ = 0 and the floor keeps the denominator positive
+
+
+@settings(max_examples=40, deadline=None)
+@given(scale=st.floats(-12, 6), kappa=st.sampled_from([0.01, 0.1, 1.0]))
+def test_adambc_on_pure_noise_steps_a_few_lr_at_any_noise_scale_with_a_noise_floor(scale, kappa):
+    """The attack on an absolute floor: gradients that are noise of std s = 10^scale alone (no
+    signal). With γ′ alone a coordinate whose v̂ − s² falls below γ′ moves by lr·m̂/√γ′, which
+    grows with s without bound; with the floor κ·s² every step is at most lr·|m̂|/(√κ·s), a few
+    lr whatever s (|m̂| ≤ 4.5·s here: 4.5 standard deviations of the draws)."""
+    s, lr = 10.0**scale, 1e-3
+    g = torch.Generator().manual_seed(0)
+    noise = [s * torch.randn(4096, generator=g).clamp(-4.5, 4.5) for _ in range(30)]
+    steps = []
+    for floor in (0.0, kappa):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = AdamBC([p], lr=lr, gamma_prime=1e-8, noise_floor=floor)
+        opt.noise_std = s
+        largest = 0.0
+        for z in noise:
+            before = p.detach().clone()
+            p.grad = z
+            opt.step()
+            largest = max(largest, float((p.detach() - before).abs().max()))
+        steps.append(largest)
+    paper, floored = steps
+    assert floored <= lr * 4.5 / kappa**0.5 * 1.01
+    if s >= 1e-2:  # where the noise is far above √γ′ = 1e-4 the absolute floor lets steps grow
+        assert paper > 10 * floored
 
 
 ADAMW = functools.partial(Adam, decoupled=True)

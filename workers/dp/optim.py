@@ -149,9 +149,11 @@ class AdamBC(_Update):
         betas: tuple[float, float] = (0.9, 0.999),
         gamma_prime: float = 1e-8,
         weight_decay: float = 0.0,
+        noise_floor: float = 0.0,
     ) -> None:
         super().__init__(params)
         self.lr, self.betas, self.gamma_prime = lr, betas, gamma_prime
+        self.noise_floor = noise_floor
         self.weight_decay = weight_decay
         self.noise_std = 0.0
         self.state: dict[Tensor, dict[str, Any]] = {}
@@ -171,7 +173,8 @@ class AdamBC(_Update):
             m_hat = state["m"] / (1 - beta1**t)
             v_hat = state["v"] / (1 - beta2**t)
             noise_var = state["s2"] / (1 - beta2**t)
-            denom = (v_hat - noise_var).clamp(min=self.gamma_prime).sqrt()
+            floor = max(self.gamma_prime, self.noise_floor * noise_var)
+            denom = (v_hat - noise_var).clamp(min=floor).sqrt()
             if self.weight_decay:
                 p.mul_(1 - self.lr * self.weight_decay)
             p.addcdiv_(m_hat, denom, value=-self.lr)
@@ -184,4 +187,10 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> SGD | Adam | Adam
         return SGD(params, momentum=cfg.momentum, **common)
     if cfg.name in ("adam", "adamw"):
         return Adam(params, betas=cfg.betas, eps=cfg.eps, decoupled=cfg.name == "adamw", **common)
-    return AdamBC(params, betas=cfg.betas, gamma_prime=cfg.gamma_prime, **common)
+    return AdamBC(
+        params,
+        betas=cfg.betas,
+        gamma_prime=cfg.gamma_prime,
+        noise_floor=cfg.noise_floor,
+        **common,
+    )
