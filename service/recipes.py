@@ -232,8 +232,9 @@ def _method_reason(optimizer: OptimizerName) -> str:
 def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str:
     if optimizer == "adambc":
         return (
-            f"{lr:g}: the DP-AdamBC rate that did best with its noise floor κ = "
-            f"{ADAMBC_NOISE_FLOOR:g} in a sweep of 10⁻³, 3·10⁻³, 10⁻² (docs/results.md)."
+            f"{lr:g}: the DP-AdamBC rate that did best with the noise floor κ = "
+            f"{ADAMBC_NOISE_FLOOR:g} (the planner's where a spec sets neither floor) in a sweep "
+            "of 10⁻³, 3·10⁻³, 10⁻² (docs/results.md)."
         )
     if optimizer != "sgd":
         return f"{lr:g}: the Adam-family rate that did best in a sweep (service/recipes.py)."

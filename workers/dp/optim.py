@@ -132,7 +132,11 @@ class Adam(_Update):
 
 class AdamBC(_Update):
     """DP-AdamBC (paper 004, Appendix A, Algorithm 2): Adam whose bias-corrected second moment
-    has the DP-noise variance removed, θ ← θ − η·m̂ / sqrt(max(v̂ − s², γ′)), no additive ε.
+    has the DP-noise variance removed, θ ← θ − η·m̂ / sqrt(max(v̂ − s², γ′, κ·s²)), no additive
+    ε. κ = 0 (``noise_floor``) is the paper's rule, whose floor γ′ is absolute: where a
+    coordinate's second moment is mostly noise, v̂ − s² falls to γ′ and the step to η·m̂/√γ′,
+    however large the noise (m̂ itself is noise of about 0.2·s then). κ > 0 keeps every
+    denominator at least √κ·s, at any σ, C and B.
 
     s² is the per-coordinate variance of the noise in the averaged private gradient,
     (σ_T·C/B)² with the same normaliser B the engine divides by; the engine sets it before each
