@@ -344,7 +344,9 @@ class OptimizerConfig(Strict):
         ge=LEARNING_RATE[0],
         le=LEARNING_RATE[1],
         description="The learning rate. Left out of a job spec, the planner picks one for the "
-        "optimizer and clipping (the plan's `defaults` says which and why).",
+        "optimizer and clipping (the plan's `defaults` says which and why); one rate serves "
+        "every optimizer of a searched `optimizer.name`, so a search across `sgd` and the Adam "
+        "family must give it (or search it).",
     )
     momentum: Coefficient = Field(0.0, description="Momentum (`sgd`).")
     weight_decay: float = Field(

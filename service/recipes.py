@@ -103,20 +103,40 @@ def target_steps(spec: JobSpec) -> int:
     """The steps a trial of ``spec`` is given by default (:data:`TARGET_STEPS`): its
     optimizer's, or the fewest of the optimizers it searches (one epochs value serves every
     trial)."""
+    return min(TARGET_STEPS[name] for name in optimizers(spec))
+
+
+def optimizers(spec: JobSpec) -> list[OptimizerName]:
+    """The optimizers the trials of ``spec`` may run: its searched ``optimizer.name``'s, or its
+    own."""
     dim = spec.search_space.get("optimizer.name")
-    names = [spec.optimizer.name] if dim is None else endpoints(dim)
-    return min(TARGET_STEPS[name] for name in names)
+    return [spec.optimizer.name] if dim is None else endpoints(dim)
 
 
-def learning_rate(optimizer: OptimizerName, method: MethodConfig) -> float:
-    """Adam-family optimizers adapt their step per coordinate, so one rate serves (DP-AdamBC's
-    own, with its noise floor: its denominators can be smaller than Adam's); SGD's step
-    scales with the update's norm: automatic clipping's has its own rate, Abadi's is at most C
-    (an adaptive rule's initial C₀)."""
-    if optimizer == "adambc":
-        return ADAMBC_LR
-    if optimizer != "sgd":
-        return ADAM_LR
+class NoDefault(ValueError):
+    """A field the planner cannot fill for this spec; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def learning_rate(names: list[OptimizerName], method: MethodConfig) -> float:
+    """The one rate every trial gets, for the optimizers ``names`` they may run. Adam-family
+    optimizers adapt their step per coordinate, so one rate serves them (DP-AdamBC's own when
+    every trial runs it, with its noise floor: its denominators can be smaller than Adam's);
+    SGD's step scales with the update's norm: automatic clipping's has its own rate, Abadi's is
+    at most C (an adaptive rule's initial C₀). A search across SGD and the Adam family has no
+    rate that suits both (theirs differ 50-fold or more): ``NoDefault``."""
+    if "sgd" not in names:
+        return ADAMBC_LR if set(names) == {"adambc"} else ADAM_LR
+    if len(set(names)) > 1:
+        raise NoDefault(
+            "optimizer.lr",
+            "a search over optimizer.name across SGD and the Adam family needs a learning "
+            f"rate: the planner's differ 50-fold or more (SGD's {SGD_LR:g}/C or "
+            f"{AUTO_SGD_LR:g}, Adam's {ADAM_LR:g}); give optimizer.lr or search it",
+        )
     return AUTO_SGD_LR if method.clipping != "abadi" else SGD_LR / method.threshold
 
 
@@ -158,9 +178,10 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
-        lr = learning_rate(optimizer.name, method)
+        names = optimizers(spec)
+        lr = learning_rate(names, method)
         update["optimizer"] = optimizer = optimizer.model_copy(update={"lr": lr})
-        why["optimizer.lr"] = _lr_reason(lr, optimizer.name, method)
+        why["optimizer.lr"] = _lr_reason(lr, names, method)
     if _floor_left_out(spec):
         update["optimizer"] = optimizer.model_copy(update={"noise_floor": ADAMBC_NOISE_FLOOR})
         why["optimizer.noise_floor"] = (
@@ -175,10 +196,8 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
 def _floor_left_out(spec: JobSpec) -> bool:
     """Whether DP-AdamBC may run and the spec chose neither of its floors (γ′, κ; neither is
     searchable)."""
-    dim = spec.search_space.get("optimizer.name")
-    names = [spec.optimizer.name] if dim is None else endpoints(dim)
     chosen = {"gamma_prime", "noise_floor"} & spec.optimizer.model_fields_set
-    return "adambc" in names and not chosen
+    return "adambc" in optimizers(spec) and not chosen
 
 
 def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[str, str]]:
@@ -229,14 +248,14 @@ def _method_reason(optimizer: OptimizerName) -> str:
     )
 
 
-def _lr_reason(lr: float, optimizer: OptimizerName, method: MethodConfig) -> str:
-    if optimizer == "adambc":
+def _lr_reason(lr: float, names: list[OptimizerName], method: MethodConfig) -> str:
+    if set(names) == {"adambc"}:
         return (
             f"{lr:g}: the DP-AdamBC rate that did best with the noise floor κ = "
             f"{ADAMBC_NOISE_FLOOR:g} (the planner's where a spec sets neither floor) in a sweep "
             "of 10⁻³, 3·10⁻³, 10⁻² (docs/results.md)."
         )
-    if optimizer != "sgd":
+    if "sgd" not in names:
         return f"{lr:g}: the Adam-family rate that did best in a sweep (service/recipes.py)."
     if method.clipping != "abadi":
         grid = ", ".join(f"{r:g}" for r in AUTO_SGD_SWEEP)

@@ -50,7 +50,7 @@ def test_a_spec_naming_no_method_gets_its_optimizers_winner_and_the_plan_says_wh
     assert filled.method == recipes.default_method(optimizer)
     assert named in why["method"] and "docs/results.md" in why["method"]
     if "optimizer.lr" not in search:  # the rate is the filled method's
-        assert filled.optimizer.lr == recipes.learning_rate(optimizer, filled.method)
+        assert filled.optimizer.lr == recipes.learning_rate([optimizer], filled.method)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_a_spec_naming_no_method_gets_its_optimizers_winner_and_the_plan_says_wh
     [
         {"method.threshold": {"grid": [0.1, 1.0]}},
         {"method.clipping": {"grid": ["abadi", "auto_s"]}},
-        {"optimizer.name": {"grid": ["sgd", "adam"]}},
+        {"optimizer.name": {"grid": ["adam", "adambc"]}},
     ],
 )
 def test_a_search_the_default_was_not_chosen_for_keeps_the_base_method(search):
@@ -123,6 +123,7 @@ def test_the_default_epochs_give_about_the_optimizers_steps_and_the_plan_says_so
 def test_a_search_over_optimizers_gets_the_fewest_steps_of_them():
     spec = make_spec(1) | {"batch_size": None, "epochs": None, "method": {"clipping": "abadi"}}
     spec["search_space"] = {"optimizer.name": {"grid": ["adam", "sgd"]}}
+    spec["optimizer"] = {"lr": 0.01}
     filled, why = recipes.fill(JobSpec.model_validate(spec), 1294)
     assert filled.epochs == recipes.epochs(1294, filled.batch_size, 200)
     assert "about 200 steps" in why["epochs"]
@@ -153,7 +154,7 @@ def test_adambc_gets_its_rate_and_a_floor_in_units_of_the_noise_and_the_plan_say
         ({"name": "adambc", "gamma_prime": 1e-6}, {}),  # a floor of its own: the paper's rule
         ({"name": "adambc", "noise_floor": 0.0}, {}),
         ({"name": "adam"}, {}),  # no DP-AdamBC trial
-        ({"name": "sgd"}, {"optimizer.name": {"grid": ["sgd", "adam"]}}),
+        ({"name": "sgd", "lr": 0.1}, {"optimizer.name": {"grid": ["sgd", "adam"]}}),
     ],
 )
 def test_a_floor_the_spec_chooses_or_no_adambc_trial_is_left_alone(optimizer, search):
@@ -161,6 +162,40 @@ def test_a_floor_the_spec_chooses_or_no_adambc_trial_is_left_alone(optimizer, se
     filled, why = recipes.fill(spec, N)
     assert filled.optimizer.noise_floor == spec.optimizer.noise_floor
     assert "optimizer.noise_floor" not in why
+
+
+@pytest.mark.parametrize(
+    ("grid", "lr"),
+    [
+        (["adam", "adamw"], recipes.ADAM_LR),
+        (["adam", "adambc"], recipes.ADAM_LR),  # Adam's rate serves DP-AdamBC under its floor
+        (["adambc"], recipes.ADAMBC_LR),
+        (["sgd"], recipes.SGD_LR),  # DP-SGD at C = 1: the base method of a searched optimizer
+    ],
+)
+def test_a_search_over_optimizers_gets_the_rate_of_all_of_them(grid, lr):
+    """The one rate every trial gets is chosen for the optimizers the search may run, not for
+    the spec's base ``optimizer.name`` (``sgd`` by default: its rate 0.5 made Adam diverge)."""
+    spec = make_spec(1) | {"optimizer": {}, "search_space": {"optimizer.name": {"grid": grid}}}
+    filled, why = recipes.fill(JobSpec.model_validate(spec), N)
+    assert filled.optimizer.lr == pytest.approx(lr)
+    assert why["optimizer.lr"].startswith(f"{lr:g}")
+
+
+@pytest.mark.parametrize("grid", [["sgd", "adam"], ["adambc", "sgd", "adamw"]])
+def test_a_search_across_sgd_and_adam_needs_a_rate_and_the_plan_names_the_field(api, grid):
+    dataset = api.register(epsilon=8.0)["id"]
+    body = make_spec(dataset, 2.0) | {"search_space": {"optimizer.name": {"grid": grid}}}
+    body["optimizer"] = {}
+    before = api.client.get(f"/v1/datasets/{dataset}/budget", headers=api.operator).json()
+    for path in ("/v1/plans", "/v1/jobs"):
+        r = api.client.post(path, headers=api.operator, json=body)
+        assert r.status_code == 422, r.text
+        assert "optimizer.lr" in r.text and "search it" in r.text
+    after = api.client.get(f"/v1/datasets/{dataset}/budget", headers=api.operator).json()
+    assert after == before  # nothing reserved
+    given = body | {"optimizer": {"lr": 0.05}}
+    assert api.client.post("/v1/plans", headers=api.operator, json=given).status_code == 200
 
 
 @pytest.mark.parametrize("clipping", ["auto_s", "auto_v"])
