@@ -99,11 +99,10 @@ def epochs(n: int, batch: int, steps: int) -> float:
     return float(min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(steps * batch / n))))
 
 
-def target_steps(spec: JobSpec) -> int:
-    """The steps a trial of ``spec`` is given by default (:data:`TARGET_STEPS`): its
-    optimizer's, or the fewest of the optimizers it searches (one epochs value serves every
-    trial)."""
-    return min(TARGET_STEPS[name] for name in optimizers(spec))
+def target_steps(names: list[OptimizerName]) -> int:
+    """The steps a trial is given by default (:data:`TARGET_STEPS`) when the trials may run the
+    optimizers ``names``: the fewest of theirs (one epochs value serves every trial)."""
+    return min(TARGET_STEPS[name] for name in names)
 
 
 def optimizers(spec: JobSpec) -> list[OptimizerName]:
@@ -152,6 +151,7 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
     """``spec`` with its missing method, batch size, epochs and learning rate chosen for a
     dataset of ``n`` examples, and why each was chosen (spec field → explanation)."""
     searched = spec.search_space
+    names = optimizers(spec)
     update: dict[str, object] = {}
     why: dict[str, str] = {}
     method = spec.method
@@ -169,7 +169,7 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     if spec.epochs is None and "epochs" not in searched:
         reference = _largest_batch(spec, update)
-        steps = target_steps(spec)
+        steps = target_steps(names)
         update["epochs"] = e = epochs(n, reference, steps)
         why["epochs"] = (
             f"{e:g}: about {steps} steps of batch {reference} (T = epochs·N/B); many steps at "
@@ -178,11 +178,10 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
-        names = optimizers(spec)
         lr = learning_rate(names, method)
         update["optimizer"] = optimizer = optimizer.model_copy(update={"lr": lr})
         why["optimizer.lr"] = _lr_reason(lr, names, method)
-    if _floor_left_out(spec):
+    if _floor_left_out(spec, names):
         update["optimizer"] = optimizer.model_copy(update={"noise_floor": ADAMBC_NOISE_FLOOR})
         why["optimizer.noise_floor"] = (
             f"{ADAMBC_NOISE_FLOOR:g}: DP-AdamBC's denominator is at least √κ = "
@@ -193,11 +192,11 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
     return spec.model_copy(update=update), why
 
 
-def _floor_left_out(spec: JobSpec) -> bool:
-    """Whether DP-AdamBC may run and the spec chose neither of its floors (γ′, κ; neither is
-    searchable)."""
+def _floor_left_out(spec: JobSpec, names: list[OptimizerName]) -> bool:
+    """Whether DP-AdamBC is among the optimizers ``names`` the trials may run and the spec
+    chose neither of its floors (γ′, κ; neither is searchable)."""
     chosen = {"gamma_prime", "noise_floor"} & spec.optimizer.model_fields_set
-    return "adambc" in optimizers(spec) and not chosen
+    return "adambc" in names and not chosen
 
 
 def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[str, str]]:

@@ -136,8 +136,10 @@ class _Layer:
         """Where its weight is book-kept: its group and its rule's ``stack_key`` (None: it is
         measured alone)."""
         name = self.book_kept
-        key = None if name is None else self.rule.stack_key(self.module, self.calls)
-        return None if key is None or name is None else (group_of[name], type(self.rule), key)
+        if name is None:
+            return None
+        key = self.rule.stack_key(self.module, self.calls)
+        return None if key is None else (group_of[name], type(self.rule), key)
 
     def bounds(self) -> dict[str, Bound]:
         """A bound on the per-sample norm of its book-kept weight, by full name."""
@@ -201,7 +203,6 @@ class _Stack:
         )
         self.calls = [call]
         self.weights = [name for layer in layers if (name := layer.book_kept) is not None]
-        self.names = [name for layer in layers for name in layer.names]
         self.book_kept = first.book_kept
 
     def bounds(self) -> dict[str, Bound]:
