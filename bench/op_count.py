@@ -12,7 +12,10 @@ one operation as on CUDA (where the secure stream keys Philox on the device; on 
 Box–Muller takes a few operations per 2¹⁶ draws). Convolutions' per-sample gradients are formed
 as on CUDA, by one grouped convolution (``workers.dp.ghost.layers._grouped_per_sample``): on CPU
 the step may choose batched matmuls over a few samples at a time where those are faster
-(``_Faster``), a CPU-only choice that would count a bmm and a copy per few samples.
+(``_Faster``), a CPU-only choice that would count a bmm and a copy per few samples. Both
+columns' optimizer steps are torch's ``foreach`` ones, as torch chooses on CUDA (a few
+operations for all parameters, where CPU's loop takes one or more a parameter), and the
+profiler's range markers around them are not counted (no kernel runs).
 
     python bench/op_count.py                          # mlp cnn transformer logreg, B = 64
     python bench/op_count.py --models resnet18 --batches 16 --top 15
@@ -66,6 +69,8 @@ VIEWS = frozenset(
         "_unsafe_view",
     ]
 )
+#: the profiler's range markers (``torch.autograd.profiler.record_function``): no kernel runs
+MARKERS = frozenset(["_record_function_enter_new", "_record_function_exit"])
 
 
 class Count(TorchDispatchMode):
@@ -79,7 +84,7 @@ class Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        if name not in VIEWS:
+        if name not in VIEWS and name not in MARKERS:
             self.by_op[name] += 1
             self.by_line[_caller()] += 1
         return func(*args, **(kwargs or {}))
@@ -126,12 +131,19 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], dict[str, int]]
 def as_on_cuda() -> Iterator[None]:
     """Every convolution's per-sample gradients by the grouped convolution, as CUDA forms them
     (the first of ``_Faster``'s candidates), not by the faster way on this CPU; small per-sample
-    gradients in their group's flat buffer, as on CUDA (``clipper.flat_limit``)."""
+    gradients in their group's flat buffer, as on CUDA (``clipper.flat_limit``); SGD's step by
+    its ``foreach`` kernels, torch's default on CUDA (its CPU default loops over parameters)."""
     with (
         mock.patch.object(ghost_layers, "_Faster", lambda candidates: candidates[0]),
         mock.patch.object(ghost_clipper, "flat_limit", lambda device: ghost_clipper.FLAT_ELEMENTS),
+        mock.patch("torch.optim.sgd._default_to_fused_or_foreach", _foreach),
     ):
         yield
+
+
+def _foreach(params: list[torch.Tensor], differentiable: bool, use_fused: bool = False):
+    """torch's choice of optimizer kernels for CUDA parameters: ``foreach``, not fused."""
+    return False, not differentiable
 
 
 def _table(

@@ -15,6 +15,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from workers.dp import bounds, clipping
 from workers.dp.clipping import clipped_sum, in_memory_order
@@ -203,3 +205,36 @@ def test_clip_factors_are_zero_wherever_the_norm_or_the_factor_is_not_finite() -
         flat = zip(norms.flatten().tolist(), coef.flatten().tolist(), strict=True)
         expected = [c if math.isfinite(n) and math.isfinite(c) else 0.0 for n, c in flat]
         assert clipping.clip_factors(coef_fn, norms).flatten().tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    function=st.sampled_from(["abadi", "auto_s", "auto_v"]),
+    threshold=st.floats(1e-6, 1e6),
+    groups=st.integers(1, 8),
+    scale=st.sampled_from(["one", "per_threshold", "per_batch"]),
+    log_norms=st.lists(st.floats(-45, 38.5), min_size=1, max_size=16),
+)
+def test_a_clip_factor_is_its_rule_within_its_roundings(
+    function: str, threshold: float, groups: int, scale: str, log_norms: list[float]
+) -> None:
+    """The float32 factor against the rule computed in float64 from the same float32 norms
+    (zero, subnormal, up to float32's largest): within the ``CLIP_ROUNDINGS`` − 3 roundings
+    the norm bound leaves it (its own, and one of c·g), and c·ν ≤ R_m·scale to as many, which
+    is what keeps a contribution in its bound."""
+    s = {"one": 1.0, "per_threshold": 1 / threshold, "per_batch": 1 / 256}[scale]
+    norms = torch.tensor([0.0, *(10.0**x for x in log_norms)], dtype=torch.float32)
+    factors = clipping.coefficient_fn(function, threshold, groups, scale=s)(norms.unsqueeze(1))
+    assert factors.dtype == torch.float32
+    r = clipping.group_thresholds(threshold, groups)
+    slack = (bounds.CLIP_ROUNDINGS - 3) * bounds.U
+    for nu, c in zip(norms.double().tolist(), factors[:, 0].double().tolist(), strict=True):
+        rule = {
+            "abadi": min(1.0, r / nu) * s if nu > 0 else s,
+            "auto_s": r * s / (nu + 0.01),
+            "auto_v": r * s / nu if nu > 0 else 0.0,
+        }[function]
+        if rule < bounds.TINY or rule > 3e38 or not math.isfinite(c):
+            continue  # out of float32's normal range: no relative claim
+        assert abs(c - rule) <= slack * rule, (nu, c, rule)
+        assert c * nu <= r * s * (1 + slack), (nu, c)

@@ -42,8 +42,8 @@ U, TINY = 2.0**-24, 2.0**-126
 #: a row of at most this many elements is reduced in one ``vector_norm``; longer ones by blocks
 ONE_LEVEL = 1 << 12
 #: roundings of the clip factor and of the clipped contribution that ν also covers: ν's own
-#: two (``group_norms``), up to four in ``workers.dp.clipping.coefficient_fn`` (its constants'
-#: conversion to float32, a division, a product or a sum) and one in c·g
+#: two (``group_norms``), up to three in ``workers.dp.clipping.factor_fn`` (its constant's
+#: conversion to float32, a division and AUTO-S's sum), one in c·g, and two to spare
 CLIP_ROUNDINGS = 8
 #: the per-position norms that enter the guard of a norm over several positions are raised by
 #: ``SPREAD_FLOOR``·√(length) (see ``spread``)

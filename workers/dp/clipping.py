@@ -110,28 +110,39 @@ def coefficient_fn(
     the same for all three. A zero gradient gets factor 0 under AUTO-V (any finite value would do).
     """
     r = group_thresholds(threshold, num_groups)
-    return factor_fn(function, r, scale, r * scale, gamma)
+    return factor_fn(function, r, r * scale, gamma)
 
 
 def factor_fn(
     function: ClippingFunction,
     r: float | Tensor,
-    scale: float | Tensor,
     product: float | Tensor,
     gamma: float = 0.01,
 ) -> CoefFn:
-    """:func:`coefficient_fn` from its constants R_m, ``scale`` and their ``product`` (each
-    rounded to float32 once, as a number is when an operation meets a float32 tensor). They may
-    be float32 0-dim tensors on the norms' device, read at each call: the engine writes a step's
-    there, and one function serves every step, so that a call replayed from a CUDA graph
-    (:mod:`workers.dp.graphed`) reads the step's threshold."""
-    if function == "abadi":
-        return lambda norms: (r / norms).clamp(max=1.0) * scale
+    """:func:`coefficient_fn` from its constants R_m and R_m·scale (``product``), each rounded to
+    float32 once, as a number is when an operation meets a float32 tensor. They may be float32
+    0-dim tensors on the norms' device, read at each call: the engine writes a step's there,
+    and one function serves every step, so that a call replayed from a CUDA graph
+    (:mod:`workers.dp.graphed`) reads the step's threshold.
+
+    Each factor is one division of R_m·scale (AUTO-S: after one sum); a clamp or a comparison
+    rounds nothing, so the factor carries two roundings, AUTO-S's three (``CLIP_ROUNDINGS``)."""
+    p = _operand(product)
+    if function == "abadi":  # min(1, R_m/‖g‖)·scale = (R_m·scale)/max(‖g‖, R_m): one division
+        return lambda norms: p / norms.clamp(min=r)
     if function == "auto_s":
-        return lambda norms: product / (norms + gamma)
+        return lambda norms: p / (norms + gamma)
     if function == "auto_v":
-        return lambda norms: torch.where(norms > 0, product / norms, torch.zeros_like(norms))
+        return lambda norms: torch.where(norms > 0, p / norms, 0.0)
     raise ValueError(f"method.clipping: unknown clipping function {function!r}")
+
+
+def _operand(x: float | Tensor) -> Tensor:
+    """``x`` as a tensor that can be divided by a tensor in one operation: a number as a 0-dim
+    float64 tensor, which takes the other's dtype there (rounded once to float32, as a number
+    would be; ``number / tensor`` takes a reciprocal and a product, two operations and two
+    roundings)."""
+    return x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.float64)
 
 
 def clip_factors(coef_fn: CoefFn, norms: Tensor) -> Tensor:

@@ -152,13 +152,13 @@ class PrivateStep:
         self.drawing = False
         #: whether clipper calls replay a CUDA graph (see the module)
         self.graphed = padded_rows is not None and device.type == "cuda"
-        #: with ``padded_rows``, the clip factors' constants R_m, 1/C_t and R_m/C_t on the
-        #: device, written before each step, and the trial's one clip-factor function, which
-        #: reads them at each call (a recorded call then reads the step's, whatever the rule)
+        #: with ``padded_rows``, the clip factors' constants R_m and R_m/C_t on the device,
+        #: written before each step, and the trial's one clip-factor function, which reads
+        #: them at each call (a recorded call then reads the step's, whatever the rule)
         self.on_device: tuple[Tensor, CoefFn] | None = None
         if padded_rows is not None:
             self.clipper = Padded(clipper, padded_rows, graph=self.graphed)
-            constants = torch.zeros(3, dtype=torch.float32, device=device)
+            constants = torch.zeros(2, dtype=torch.float32, device=device)
             self.on_device = (constants, factor_fn(clipping, *constants.unbind(), gamma))
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
@@ -190,7 +190,7 @@ class PrivateStep:
             group_norms, _ = self.clipper(
                 self.model, self.loss_fn, inputs, targets, self.groups, coef_fn, out=out
             )
-            norms.append(torch.linalg.vector_norm(group_norms.detach(), dim=1))
+            norms.append(_example_norms(group_norms.detach()))
         out.settle()
         self.flat.mul_(threshold / self.expected_batch_size)
         for p, view in zip(self.params.values(), self.views.values(), strict=True):
@@ -207,7 +207,7 @@ class PrivateStep:
             )
         constants, coef_fn = self.on_device
         r = group_thresholds(threshold, len(self.groups))
-        for slot, value in enumerate((r, 1 / threshold, r / threshold)):
+        for slot, value in enumerate((r, r / threshold)):
             constants[slot].fill_(value)  # a launch with the value as argument: no sync
         return coef_fn
 
@@ -237,3 +237,11 @@ class PrivateStep:
             self.ahead.request(self.grad_noise)
             self.drawing = True
         return StepReport(threshold=threshold, batch_size=len(norms))
+
+
+def _example_norms(group_norms: Tensor) -> Tensor:
+    """Each example's norm over all groups [B] from its group norms [B, M]: with one group,
+    that group's (a view, no operation)."""
+    if group_norms.shape[1] == 1:
+        return group_norms[:, 0]
+    return torch.linalg.vector_norm(group_norms, dim=1)

@@ -364,16 +364,20 @@ class _Groups:
         return True
 
     def _drop(self, m: int) -> Tensor:
-        """Which examples' norm is not finite (NaN included) in group ``m`` [B] (bool), formed
-        once a call: their rows are zeroed before any product for the group (the group's norm
-        bounds the very rows or book-kept tensors summed, so a finite one makes them finite)."""
+        """Which examples contribute nothing to group ``m`` [B] (bool): those of clip factor 0,
+        every one whose norm is not finite (NaN included, ``clip_factors``) among them; formed
+        once a call. Their rows are zeroed before any product for the group (0·NaN = NaN); a
+        kept one's norm is finite, and it bounds the very rows or book-kept tensors summed, so
+        they are finite. A finite row of factor 0 adds 0 either way."""
         if m not in self.dropped:
-            self.dropped[m] = (self.norms[m] < math.inf).logical_not_()
+            self.dropped[m] = self.coef[m] == 0
         return self.dropped[m]
 
     def done(self) -> Tensor:
         """The norms [B, M], once every unit is added."""
         assert not self.arrived and not self.measured, "a group was never clipped"
+        if len(self.bounds) == 1:
+            return self.norms[0].unsqueeze(1)
         return torch.stack([self.norms[m] for m in range(len(self.bounds))], 1)
 
 
