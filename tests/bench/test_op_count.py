@@ -27,11 +27,11 @@ def test_the_dp_step_dispatches_more_operations_than_the_non_private(bench, caps
 
 
 #: the DP step's operations over the non-private step's (issue 43's CPU proxy of kernel launches
-#: on a GPU; both optimizer steps by torch's CUDA ``foreach`` kernels): the transformer 161 / 108
-#: = 1.49 at B = 64 (the goal, 1.5, met), resnet18 377 / 142 = 2.65 at B = 16 (not met: its
+#: on a GPU; both optimizer steps by torch's CUDA ``foreach`` kernels): the transformer 160 / 108
+#: = 1.48 at B = 64 (the goal, 1.5, met), resnet18 376 / 142 = 2.65 at B = 16 (not met: its
 #: book-kept convolutions, docs/performance.md); resnet18's bound a little above. resnet18 is
 #: counted at B = 16, in a quarter of the time of B = 64, where its stacked convolutions' norms
-#: and sums take two chunks of samples each (412, 2.90×).
+#: and sums take two chunks of samples each (411, 2.89×).
 RATIO_BOUNDS = {("resnet18", 16): 2.7, ("transformer", 64): 1.5}
 
 

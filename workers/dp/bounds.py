@@ -177,8 +177,9 @@ def group_norms(bounds: Sequence[Bound]) -> Tensor:
 
     With P bounds, N̂ = ``vector_norm`` of their values (``_norm_constants`` with n = P) and the
     triangle inequality in ℝ^P, ‖x_i‖ ≤ ‖(s_p v_p + f_p)_p‖ ≤ s·‖v‖ + ‖f‖ ≤ k₁·N̂ + k₂ with
-    s = max s_p, k₁ = s·s_P, k₂ = s·f_P + ‖f‖. ν = fl(fl(N̂·k₁) + k₂) with both constants rounded
-    up and raised by 1/(1 − ``CLIP_ROUNDINGS``·u): two roundings for ν, the rest for c·g.
+    s = max s_p, k₁ = s·s_P, k₂ = s·f_P + ‖f‖. ν = fl(fl(N̂·k₁) + k₂) (or fl(N̂·k₁ + k₂), one
+    rounding, where the one operation that forms it fuses them) with both constants rounded up
+    and raised by 1/(1 − ``CLIP_ROUNDINGS``·u): two roundings for ν, the rest for c·g.
     """
     if len(bounds) == 1:
         (only,) = bounds
@@ -189,8 +190,10 @@ def group_norms(bounds: Sequence[Bound]) -> Tensor:
         s = max(b.scale for b in bounds)
         k1, k2 = s * s_p, s * f_p + math.hypot(*(b.floor for b in bounds))
     slack = 1 / (1 - CLIP_ROUNDINGS * U)
-    # τ more: N̂·k₁ may underflow when k₂ covers nothing (a bound without a floor)
-    return values.mul(up32(k1 * slack)).add_(up32(k2 * slack + TINY))
+    # τ more: N̂·k₁ may underflow when k₂ covers nothing (a bound without a floor); k₂ as a
+    # 0-dim tensor (exact: a float32 value) so that k₂ + k₁·N̂ is one operation
+    floor = torch.tensor(up32(k2 * slack + TINY), dtype=torch.float32)
+    return torch.add(floor, values, alpha=up32(k1 * slack))
 
 
 def spread(

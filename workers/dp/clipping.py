@@ -139,9 +139,10 @@ def factor_fn(
 
 def _operand(x: float | Tensor) -> Tensor:
     """``x`` as a tensor that can be divided by a tensor in one operation: a number as a 0-dim
-    float64 tensor, which takes the other's dtype there (rounded once to float32, as a number
-    would be; ``number / tensor`` takes a reciprocal and a product, two operations and two
-    roundings)."""
+    float64 tensor on the CPU, which takes the other's dtype there (rounded once to float32, as a
+    number would be; on a GPU a kernel argument, no float64 arithmetic) and keeps its value for
+    float64 norms (the audit's canaries). ``number / tensor`` would take a reciprocal and a
+    product, two operations and two roundings."""
     return x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.float64)
 
 
