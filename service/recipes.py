@@ -39,6 +39,7 @@ import math
 
 from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationConfig
 from core.plan import score_std
+from core.sampling import num_steps
 from core.spec import JobSpec, endpoints
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
@@ -57,8 +58,11 @@ ADAM_LR = 1e-2
 ADAMBC_LR = 3e-3
 ADAMBC_NOISE_FLOOR = 0.1
 SGD_LR = 0.5
-#: SGD's learning rate under automatic clipping, whose update is a mean of unit-norm vectors
+#: SGD's learning rate under automatic clipping, whose update is a mean of unit-norm vectors,
+#: at the steps it was swept at; a trial of T steps gets AUTO_SGD_LR·AUTO_SGD_STEPS/T, raised
+#: no further below AUTO_SGD_MIN_STEPS (the shortest measured)
 AUTO_SGD_LR = 1.4
+AUTO_SGD_STEPS, AUTO_SGD_MIN_STEPS = TARGET_STEPS["sgd"], 100
 #: the rates of the sweep AUTO_SGD_LR was chosen from
 AUTO_SGD_SWEEP = (0.05, 0.1, 0.2, 0.5, 1.0, 1.4, 2.0, 4.0, 8.0)
 #: the method of a spec that names none, by optimizer: SGD's, and the Adam family's
@@ -120,13 +124,16 @@ class NoDefault(ValueError):
         self.field = field
 
 
-def learning_rate(names: list[OptimizerName], method: MethodConfig) -> float:
-    """The one rate every trial gets, for the optimizers ``names`` they may run. Adam-family
-    optimizers adapt their step per coordinate, so one rate serves them (DP-AdamBC's own when
-    every trial runs it, with its noise floor: its denominators can be smaller than Adam's);
-    SGD's step scales with the update's norm: automatic clipping's has its own rate, Abadi's is
-    at most C (an adaptive rule's initial C₀). A search across SGD and the Adam family has no
-    rate that suits both (theirs differ 50-fold or more): ``NoDefault``."""
+def learning_rate(
+    names: list[OptimizerName], method: MethodConfig, steps: int | None = None
+) -> float:
+    """The one rate every trial gets, for the optimizers ``names`` they may run, each trial
+    running ``steps`` steps (None: trials of several lengths). Adam-family optimizers adapt
+    their step per coordinate, so one rate serves them (DP-AdamBC's own when every trial runs
+    it, with its noise floor: its denominators can be smaller than Adam's); SGD's step scales
+    with the update's norm: automatic clipping's has its own rate (:func:`auto_rate`), Abadi's
+    is at most C (an adaptive rule's initial C₀). A search across SGD and the Adam family has
+    no rate that suits both (theirs differ 50-fold or more): ``NoDefault``."""
     if "sgd" not in names:
         return ADAMBC_LR if set(names) == {"adambc"} else ADAM_LR
     if len(set(names)) > 1:
@@ -136,7 +143,21 @@ def learning_rate(names: list[OptimizerName], method: MethodConfig) -> float:
             f"rate: the planner's differ 50-fold or more (SGD's {SGD_LR:g}/C or "
             f"{AUTO_SGD_LR:g}, Adam's {ADAM_LR:g}); give optimizer.lr or search it",
         )
-    return AUTO_SGD_LR if method.clipping != "abadi" else SGD_LR / method.threshold
+    return auto_rate(steps) if method.clipping != "abadi" else SGD_LR / method.threshold
+
+
+def auto_rate(steps: int | None) -> float:
+    """SGD's rate under automatic clipping for trials of ``steps`` steps: the swept rate scaled
+    by AUTO_SGD_STEPS/T (3 significant digits), so that a trial travels the distance r = lr·T
+    of the sweep's best (Panda et al., "A New Linear Scaling Rule for Private Adaptive
+    Hyperparameter Optimization", ICML 2024: the best r depends on ε, not on how it is split
+    into lr and T). Each step's update has a fixed scale here, so at the swept rate 400 steps
+    go twice as far and diverged on digits at ε = 1 (docs/results.md). Below
+    AUTO_SGD_MIN_STEPS the rate is not raised further (a few huge steps are not measured);
+    trials of several lengths (None) get the swept rate."""
+    if steps is None:
+        return AUTO_SGD_LR
+    return float(f"{AUTO_SGD_LR * AUTO_SGD_STEPS / max(steps, AUTO_SGD_MIN_STEPS):.3g}")
 
 
 def default_method(optimizer: OptimizerName) -> MethodConfig:
@@ -178,9 +199,10 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
-        lr = learning_rate(names, method)
+        steps = _steps(spec.model_copy(update=update), n)
+        lr = learning_rate(names, method, steps)
         update["optimizer"] = optimizer = optimizer.model_copy(update={"lr": lr})
-        why["optimizer.lr"] = _lr_reason(lr, names, method)
+        why["optimizer.lr"] = _lr_reason(lr, names, method, steps)
     if _floor_left_out(spec, names):
         update["optimizer"] = optimizer.model_copy(update={"noise_floor": ADAMBC_NOISE_FLOOR})
         why["optimizer.noise_floor"] = (
@@ -223,6 +245,13 @@ def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[
     return spec.model_copy(update={"validation": validation}), {"validation": why}
 
 
+def _steps(spec: JobSpec, n: int) -> int | None:
+    """The steps T every trial of ``spec`` runs on ``n`` examples, or None where its shapes
+    differ in T."""
+    lengths = {num_steps(n, s["batch_size"], s["epochs"]) for s in spec.shape_grid()}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
 def _largest_batch(spec: JobSpec, update: dict[str, object]) -> int:
     """The batch size the default epochs are counted in: the largest a trial may use, so that
     no shape runs fewer than TARGET_STEPS steps."""
@@ -247,7 +276,9 @@ def _method_reason(optimizer: OptimizerName) -> str:
     )
 
 
-def _lr_reason(lr: float, names: list[OptimizerName], method: MethodConfig) -> str:
+def _lr_reason(
+    lr: float, names: list[OptimizerName], method: MethodConfig, steps: int | None
+) -> str:
     if set(names) == {"adambc"}:
         return (
             f"{lr:g}: the DP-AdamBC rate that did best with the noise floor κ = "
@@ -258,10 +289,17 @@ def _lr_reason(lr: float, names: list[OptimizerName], method: MethodConfig) -> s
         return f"{lr:g}: the Adam-family rate that did best in a sweep (service/recipes.py)."
     if method.clipping != "abadi":
         grid = ", ".join(f"{r:g}" for r in AUTO_SGD_SWEEP)
+        length = (
+            f"scaled by {AUTO_SGD_STEPS}/T for T = {steps} steps (T ≥ {AUTO_SGD_MIN_STEPS}), "
+            "so that a trial travels the same distance lr·T (Panda et al. 2024)"
+            if steps is not None
+            else "the trials' shapes differ in T, so it is not scaled to one"
+        )
         return (
             f"{lr:g}: automatic clipping ({method.clipping}) normalizes each per-example "
-            "gradient, so the learning rate is the only knob (paper 003); the SGD rate of best "
-            f"mean accuracy over digits and mnist1d in a sweep over {grid} (docs/results.md)."
+            "gradient, so the learning rate is the only knob (paper 003); "
+            f"{AUTO_SGD_LR:g}, the SGD rate of best mean accuracy over digits and mnist1d at "
+            f"{AUTO_SGD_STEPS} steps in a sweep over {grid}, {length} (docs/results.md)."
         )
     threshold = "C₀" if method.adaptive is not None else "C"
     return (

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -49,8 +49,9 @@ def test_a_spec_naming_no_method_gets_its_optimizers_winner_and_the_plan_says_wh
     assert filled.method == MethodConfig.model_validate(chosen)
     assert filled.method == recipes.default_method(optimizer)
     assert named in why["method"] and "docs/results.md" in why["method"]
-    if "optimizer.lr" not in search:  # the rate is the filled method's
-        assert filled.optimizer.lr == recipes.learning_rate([optimizer], filled.method)
+    if "optimizer.lr" not in search:  # the rate is the filled method's, for the trials' T
+        steps = None if "batch_size" in search else _steps(filled.epochs, filled.batch_size)
+        assert filled.optimizer.lr == recipes.learning_rate([optimizer], filled.method, steps)
 
 
 @pytest.mark.parametrize(
@@ -201,11 +202,44 @@ def test_a_search_across_sgd_and_adam_needs_a_rate_and_the_plan_names_the_field(
 @pytest.mark.parametrize("clipping", ["auto_s", "auto_v"])
 @pytest.mark.parametrize("gamma", [0.01, 0.5])
 def test_automatic_clipping_gets_its_own_sgd_rate(clipping, gamma):
-    filled, why = recipes.fill(_spec({"clipping": clipping, "gamma": gamma, "threshold": 4.0}), N)
-    assert filled.optimizer.lr == recipes.AUTO_SGD_LR  # the threshold drops out (paper 003)
+    method = {"clipping": clipping, "gamma": gamma, "threshold": 4.0}
+    filled, why = recipes.fill(_spec(method, epochs=10, batch_size=64), N)
+    assert filled.optimizer.lr == 1.39  # 202 steps: 1.4·200/202 = 1.386; no threshold in it
     grid = ", ".join(f"{r:g}" for r in recipes.AUTO_SGD_SWEEP)
     assert clipping in why["optimizer.lr"] and grid in why["optimizer.lr"]
+    assert "T = 202 steps" in why["optimizer.lr"]
     assert recipes.AUTO_SGD_LR in recipes.AUTO_SGD_SWEEP
+
+
+def _steps(epochs: float, batch: int) -> int:
+    return round(epochs * N / batch)
+
+
+@settings(deadline=None)
+@given(epochs=st.integers(1, 100), batch=st.sampled_from([16, 64, 256, 1024]))
+def test_automatic_clippings_rate_keeps_the_distance_lr_times_steps(epochs, batch):
+    """At T steps the rate is 1.4·200/T, the distance lr·T = 280 of the sweep's 1.4 at 200
+    steps, to 3 significant digits; below 100 steps it stays at 100's, 2.8."""
+    filled, why = recipes.fill(_spec(None, epochs=epochs, batch_size=batch), N)
+    assert filled.method.clipping == "auto_s"
+    steps = _steps(epochs, batch)
+    assert filled.optimizer.lr * max(steps, 100) == pytest.approx(280, rel=5e-3)
+    assert f"T = {steps} steps" in why["optimizer.lr"]
+
+
+@pytest.mark.parametrize(("epochs", "rate"), [(40, 1.4), (80, 0.7), (20, 2.8), (5, 2.8)])
+def test_automatic_clippings_rate_on_the_bench_digits(epochs, rate):
+    """The bench's digits shapes (B = 256): T ≈ 200 (the recipe's), 400 (1.4 diverged there at
+    ε = 1), 100, and 25 (below the shortest measured: 100's rate)."""
+    filled, _ = recipes.fill(_spec(None, epochs=epochs, batch_size=256), N)
+    assert filled.optimizer.lr == pytest.approx(rate, rel=0.02)
+
+
+def test_trials_of_several_lengths_get_the_swept_rate():
+    search = {"epochs": {"grid": [10, 40]}}
+    filled, why = recipes.fill(_spec(None, batch_size=256, search_space=search), N)
+    assert filled.optimizer.lr == recipes.AUTO_SGD_LR
+    assert "shapes differ in T" in why["optimizer.lr"]
 
 
 @pytest.mark.parametrize("threshold", [0.1, 0.5, 1.0, 2.0, 10.0])
@@ -234,7 +268,8 @@ def test_the_plan_endpoint_says_which_method_it_chose(api):
     assert r.status_code == 200, r.text
     plan = r.json()
     assert "auto_s" in plan["defaults"]["method"]
-    assert plan["defaults"]["optimizer.lr"].startswith(f"{recipes.AUTO_SGD_LR:g}: automatic")
+    lr = plan["defaults"]["optimizer.lr"]
+    assert ": automatic clipping (auto_s)" in lr and "T = " in lr
     adam = body | {"optimizer": {"name": "adam"}}
     plan = api.client.post("/v1/plans", headers=api.operator, json=adam).json()
     assert "dcsgd_e" in plan["defaults"]["method"]
