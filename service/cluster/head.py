@@ -188,7 +188,7 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports, held open together while they are chosen."""
     with contextlib.ExitStack() as held:
         sockets = [held.enter_context(socket.socket()) for _ in range(count)]
@@ -212,7 +212,7 @@ def _free_worker_range() -> int:
 def choose_record(dashboard_port: int | None = None) -> HeadRecord:
     """A new temp dir name and free ports (``dashboard_port`` if given) for a local head."""
     listening = [n for n in HeadRecord.model_fields if n.endswith("_port") and "worker" not in n]
-    ports = dict(zip(listening, _free_ports(len(listening)), strict=True))
+    ports = dict(zip(listening, free_ports(len(listening)), strict=True))
     if dashboard_port is not None:
         ports["dashboard_port"] = dashboard_port
     low = _free_worker_range()
@@ -344,7 +344,7 @@ def _with_free_ports(record: HeadRecord) -> HeadRecord:
     ports = record.listening_ports().items()
     taken = [name for name, port in ports if name != "dashboard_port" and port_taken(port)]
     span = range(record.min_worker_port, record.max_worker_port + 1)
-    update: dict[str, int] = dict(zip(taken, _free_ports(len(taken)), strict=True))
+    update: dict[str, int] = dict(zip(taken, free_ports(len(taken)), strict=True))
     if any(port_taken(p) for p in span):
         low = _free_worker_range()
         update |= {"min_worker_port": low, "max_worker_port": low + WORKER_PORTS - 1}

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from service.api.server import free_port
 from service.cluster import RayConnection
+from service.cluster.head import free_ports
 
 HOST = "127.0.0.1"
 #: Ray's own health checks, tightened so that a killed node is declared dead within seconds
@@ -74,22 +74,24 @@ def process_tree(marker: str) -> set[int]:
     return found
 
 
-def _ports(head: bool, low: int) -> list[str]:
-    """Distinct ports for one node (two raylets on one machine must not share any); its
-    workers get 50 from ``low`` on."""
-    ports = [
-        f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}",
-        f"--min-worker-port={low}",
-        f"--max-worker-port={low + 49}",
-        f"--metrics-export-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-    ]
-    if head:
-        ports += [f"--ray-client-server-port={free_port()}"]
-    return ports
+#: the ``ray start`` flags of the ports a node listens on, and a head's too (``port``: the GCS)
+NODE_PORTS = (
+    "node-manager-port",
+    "object-manager-port",
+    "metrics-export-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+)
+HEAD_PORTS = ("ray-client-server-port", "port", "dashboard-port")
+
+
+def _ports(head: bool) -> dict[str, int]:
+    """Free ports for one node by flag, held open together while they are chosen: two raylets
+    on one machine must not share any, nor two components of one (ports drawn one at a time
+    can repeat, and ``ray start`` then refuses)."""
+    flags = NODE_PORTS + (HEAD_PORTS if head else ())
+    return dict(zip(flags, free_ports(len(flags)), strict=True))
 
 
 @dataclass
@@ -140,6 +142,7 @@ class LocalCluster:
 
     def _start(self, head: bool, num_cpus: int, num_gpus: int = 0) -> Node:
         node = Node(Path(tempfile.mkdtemp(prefix="n", dir=self.root)), head)
+        ports, low = _ports(head), self.worker_ports + 50 * len(self.nodes)
         cmd = [
             _ray_cli(),
             "start",
@@ -150,18 +153,14 @@ class LocalCluster:
             f"--object-store-memory={100 * 1024**2}",
             "--disable-usage-stats",
             f'--resources={{"{node.temp_dir.name}": 1}}',  # tells the node in Ray's state API
-            *_ports(head, self.worker_ports + 50 * len(self.nodes)),
+            *(f"--{flag}={port}" for flag, port in ports.items()),
+            f"--min-worker-port={low}",  # its workers': 50 from low on
+            f"--max-worker-port={low + 49}",
         ]
         if head:
-            dashboard_port = free_port()
-            self.gcs_address = f"{HOST}:{free_port()}"
-            self.dashboard_url = f"http://{HOST}:{dashboard_port}"
-            cmd += [
-                "--head",
-                f"--port={self.gcs_address.split(':')[1]}",
-                f"--dashboard-host={HOST}",
-                f"--dashboard-port={dashboard_port}",
-            ]
+            self.gcs_address = f"{HOST}:{ports['port']}"
+            self.dashboard_url = f"http://{HOST}:{ports['dashboard-port']}"
+            cmd += ["--head", f"--dashboard-host={HOST}"]
         else:
             cmd.append(f"--address={self.gcs_address}")
         self.nodes.append(node)  # stopped with the cluster even if it fails to start
