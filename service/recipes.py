@@ -36,6 +36,7 @@ Each default is explained in the plan (``Plan.defaults``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationConfig
 from core.plan import score_std
@@ -199,7 +200,7 @@ def fill(spec: JobSpec, n: int) -> tuple[JobSpec, dict[str, str]]:
         )
     optimizer = spec.optimizer
     if "lr" not in optimizer.model_fields_set and "optimizer.lr" not in searched:
-        steps = _steps(spec.model_copy(update=update), n)
+        steps = _steps(spec, update, n)
         lr = learning_rate(names, method, steps)
         update["optimizer"] = optimizer = optimizer.model_copy(update={"lr": lr})
         why["optimizer.lr"] = _lr_reason(lr, names, method, steps)
@@ -245,18 +246,21 @@ def fill_validation(spec: JobSpec, n: int, public: bool) -> tuple[JobSpec, dict[
     return spec.model_copy(update={"validation": validation}), {"validation": why}
 
 
-def _steps(spec: JobSpec, n: int) -> int | None:
-    """The steps T every trial of ``spec`` runs on ``n`` examples, or None where its shapes
-    differ in T."""
-    lengths = {num_steps(n, s["batch_size"], s["epochs"]) for s in spec.shape_grid()}
+def _shapes(spec: JobSpec, update: dict[str, object]) -> list[dict[str, Any]]:
+    """The (batch_size, epochs) of every trial of ``spec`` with the defaults in ``update``."""
+    return spec.model_copy(update=update).shape_grid()
+
+
+def _steps(spec: JobSpec, update: dict[str, object], n: int) -> int | None:
+    """The steps T every trial runs on ``n`` examples, or None where its shapes differ in T."""
+    lengths = {num_steps(n, s["batch_size"], s["epochs"]) for s in _shapes(spec, update)}
     return lengths.pop() if len(lengths) == 1 else None
 
 
 def _largest_batch(spec: JobSpec, update: dict[str, object]) -> int:
     """The batch size the default epochs are counted in: the largest a trial may use, so that
     no shape runs fewer than TARGET_STEPS steps."""
-    sizes = [s["batch_size"] for s in spec.model_copy(update=update).shape_grid()]
-    return int(max(sizes))
+    return int(max(s["batch_size"] for s in _shapes(spec, update)))
 
 
 def _method_reason(optimizer: OptimizerName) -> str:
