@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -188,20 +189,24 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports, held open together while they are chosen."""
+def free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct free ports, none of ``avoid``, held open together while they are
+    chosen. ``avoid``: ports chosen but not listened on yet (the kernel may hand them out)."""
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        sockets = [held.enter_context(socket.socket()) for _ in range(count + len(avoid))]
         for s in sockets:
             s.bind(("", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+        ports = [int(s.getsockname()[1]) for s in sockets]
+    return [port for port in ports if port not in avoid][:count]
 
 
-def _free_worker_range() -> int:
-    """The first port of ``WORKER_PORTS`` free ones, at random among the candidate ranges."""
+def _free_worker_range(avoid: Collection[int] = ()) -> int:
+    """The first port of ``WORKER_PORTS`` free ones, none of ``avoid``, at random among the
+    candidate ranges."""
     starts = list(_WORKER_RANGE)
     for start in secrets.SystemRandom().sample(starts, len(starts)):
-        if not any(port_taken(p) for p in range(start, start + WORKER_PORTS)):
+        span = range(start, start + WORKER_PORTS)
+        if not any(p in avoid or port_taken(p) for p in span):
             return start
     raise HeadError(
         f"no {WORKER_PORTS} free ports in {_WORKER_RANGE.start}-{_WORKER_RANGE.stop} for the "
@@ -212,10 +217,10 @@ def _free_worker_range() -> int:
 def choose_record(dashboard_port: int | None = None) -> HeadRecord:
     """A new temp dir name and free ports (``dashboard_port`` if given) for a local head."""
     listening = [n for n in HeadRecord.model_fields if n.endswith("_port") and "worker" not in n]
-    ports = dict(zip(listening, free_ports(len(listening)), strict=True))
-    if dashboard_port is not None:
-        ports["dashboard_port"] = dashboard_port
-    low = _free_worker_range()
+    ports = {} if dashboard_port is None else {"dashboard_port": dashboard_port}
+    drawn = [name for name in listening if name not in ports]
+    ports |= dict(zip(drawn, free_ports(len(drawn), avoid=ports.values()), strict=True))
+    low = _free_worker_range(avoid=ports.values())
     return HeadRecord(
         temp_dir=Path("/tmp") / f"dptune-ray-{secrets.token_hex(4)}",
         min_worker_port=low,
@@ -339,14 +344,21 @@ def _refuse_to_orphan_a_legacy_head(record: HeadRecord, token: str | None) -> No
 
 
 def _with_free_ports(record: HeadRecord) -> HeadRecord:
-    """``record`` with each taken port but the dashboard's (which users may have
-    bookmarked, and the service already told) replaced by a free one."""
-    ports = record.listening_ports().items()
-    taken = [name for name, port in ports if name != "dashboard_port" and port_taken(port)]
+    """``record`` with each port that is taken, or that the record already uses, replaced by a
+    free one — all but the dashboard's (which users may have bookmarked, and the service
+    already told). No two of a head's components may share a port (``ray start`` refuses),
+    yet a pinned dashboard port can be one of those recorded, and a port drawn while another
+    was chosen but not listened on can repeat it."""
+    kept = {"dashboard_port": record.dashboard_port}
+    for name, port in record.listening_ports().items():
+        if port not in kept.values() and not port_taken(port):
+            kept[name] = port
+    redraw = [name for name in record.listening_ports() if name not in kept]
+    ports = kept | dict(zip(redraw, free_ports(len(redraw), avoid=kept.values()), strict=True))
+    update: dict[str, int] = dict(ports)
     span = range(record.min_worker_port, record.max_worker_port + 1)
-    update: dict[str, int] = dict(zip(taken, free_ports(len(taken)), strict=True))
-    if any(port_taken(p) for p in span):
-        low = _free_worker_range()
+    if any(p in ports.values() or port_taken(p) for p in span):
+        low = _free_worker_range(avoid=ports.values())
         update |= {"min_worker_port": low, "max_worker_port": low + WORKER_PORTS - 1}
     return record.model_copy(update=update)
 

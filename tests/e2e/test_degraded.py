@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -24,9 +25,8 @@ from typing import Any
 
 import pytest
 
-from service.api.server import free_port
 from service.cluster import RayConnection
-from service.cluster.head import probe
+from service.cluster.head import choose_record, probe
 
 from .cluster import _ray_cli, process_tree, token_root
 from .conftest import Service, long_job, small_job
@@ -38,12 +38,20 @@ HOST = "127.0.0.1"
 
 @dataclass
 class Head:
-    """A Ray head on a dashboard port chosen before it exists, started and killed at will."""
+    """A Ray head on a dashboard port chosen before it exists, started and killed at will.
+
+    Until it starts, the dashboard's port is held (bound, not listened on: a probe is refused),
+    so that no port drawn meanwhile — the service's, the head's others — can be it."""
 
     root: Path
     token_path: Path
-    dashboard_port: int = field(default_factory=free_port)
     temp_dir: Path | None = None
+    dashboard_port: int = field(init=False)
+    _held: socket.socket = field(init=False, default_factory=socket.socket)
+
+    def __post_init__(self) -> None:
+        self._held.bind(("", 0))
+        self.dashboard_port = int(self._held.getsockname()[1])
 
     @property
     def connection(self) -> RayConnection:
@@ -56,25 +64,14 @@ class Head:
 
     def start(self) -> None:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="h", dir=self.root))
-        workers = 20000 + (free_port() % 200) * 50  # far below the ephemeral ports
+        record = choose_record(self.dashboard_port).model_copy(update={"temp_dir": self.temp_dir})
+        self._held.close()
         cmd = [
             _ray_cli(),
             "start",
             "--head",
-            f"--temp-dir={self.temp_dir}",
-            f"--node-ip-address={HOST}",
-            f"--port={free_port()}",
+            *record.flags(),
             f"--dashboard-host={HOST}",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
-            f"--node-manager-port={free_port()}",
-            f"--object-manager-port={free_port()}",
-            f"--min-worker-port={workers}",
-            f"--max-worker-port={workers + 49}",
-            f"--metrics-export-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
             "--num-cpus=2",
             "--num-gpus=0",
             f"--object-store-memory={100 * 1024**2}",
@@ -90,6 +87,7 @@ class Head:
 
     def kill(self) -> None:
         """Kill the head's processes at once — the machine it ran on died — and its jobs'."""
+        self._held.close()
         if self.temp_dir is None:
             return
         while pids := process_tree(str(self.temp_dir)):

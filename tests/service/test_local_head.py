@@ -21,12 +21,15 @@ from typing import Any
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.api.server import free_port
 from service.cluster import head
 from service.cluster.head import (
     HEAD_FILE,
     WORKER_PORTS,
+    HeadRecord,
     LocalHead,
     load_record,
     own_record,
@@ -117,6 +120,63 @@ def test_ports_taken_since_are_chosen_anew_but_the_dashboards(ray_start, tmp_pat
     assert after.gcs_port != before.gcs_port and after.min_worker_port != before.min_worker_port
     assert after.temp_dir == before.temp_dir
     before.temp_dir.rmdir()
+
+
+#: the ports a head listens on but its dashboard's, in the record's order
+OTHER_PORTS = [
+    name
+    for name in HeadRecord.model_fields
+    if name.endswith("_port") and "worker" not in name and name != "dashboard_port"
+]
+
+
+@given(st.data())
+@settings(max_examples=50, deadline=None)
+def test_no_two_components_of_a_head_share_a_port(data: st.DataObject) -> None:
+    """A record can repeat a port — a pinned dashboard port that another component holds, a
+    port drawn while another was chosen but not yet listened on — and its workers' range can
+    hold the dashboard's port. Before ``ray start``, each component gets a port of its own,
+    the dashboard keeps its own, and a port held once stays."""
+    pool = head.free_ports(3)
+    low = head._free_worker_range()
+    dashboard = data.draw(st.sampled_from([*pool, low + 5]), label="dashboard")
+    ports = {n: data.draw(st.sampled_from([dashboard, *pool]), label=n) for n in OTHER_PORTS}
+    record = head.choose_record().model_copy(
+        update={
+            "dashboard_port": dashboard,
+            **ports,
+            "min_worker_port": low,
+            "max_worker_port": low + WORKER_PORTS - 1,
+        }
+    )
+    fresh = head._with_free_ports(record)
+    listening = list(fresh.listening_ports().values())
+    assert fresh.dashboard_port == dashboard and len(set(listening)) == len(listening)
+    assert not set(listening) & set(range(fresh.min_worker_port, fresh.max_worker_port + 1))
+    held = {dashboard}
+    for name, port in ports.items():
+        if port not in held:
+            assert getattr(fresh, name) == port
+            held.add(port)
+
+
+def test_a_pinned_dashboard_port_is_not_drawn_for_another_component(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing listens on a pinned dashboard port before its head starts, so the kernel may
+    hand it out when the other ports are drawn: it is not given twice."""
+    pinned, *others = head.free_ports(len(OTHER_PORTS) + 2)
+    handed = iter([pinned, *others])
+
+    class Kernel(socket.socket):
+        """Hands out ``pinned`` first, as bind(0) may."""
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("0.0.0.0", next(handed))
+
+    monkeypatch.setattr(head.socket, "socket", Kernel)
+    ports = list(head.choose_record(pinned).listening_ports().values())
+    assert ports.count(pinned) == 1 and len(set(ports)) == len(ports)
 
 
 class Refuses(http.server.BaseHTTPRequestHandler):
