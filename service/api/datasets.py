@@ -290,6 +290,7 @@ def _install(
     only while it still awaits data: of two concurrent uploads, one wins, the other gets 409
     and never touches the file of the first."""
     with sessions() as session:
+        begin_write(session)
         claimed = session.execute(
             update(Dataset).where(Dataset.id == dataset.id, Dataset.n == 0).values(**values)
         )

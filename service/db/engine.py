@@ -7,10 +7,11 @@ lock *before* reading the ledger, so two admissions can never both read the same
 PostgreSQL: the same transaction locks the dataset row with ``SELECT … FOR UPDATE``.
 
 On SQLite the write transactions of one process also queue on a lock of their engine before
-``BEGIN IMMEDIATE``, so that at most one of them waits in SQLite's busy handler. That handler
-polls with growing sleeps, first come is not first served, and with a hundred writers in
-flight one could wait out the busy timeout and fail with "database is locked" (HTTP 500).
-Writers in other processes still meet the busy timeout.
+``BEGIN IMMEDIATE``, and let go of it once their COMMIT or ROLLBACK has run in SQLite
+(:class:`_SQLiteConnection`), so that at most one of them waits in SQLite's busy handler.
+That handler polls with growing sleeps, first come is not first served, and with a hundred
+writers in flight one could wait out the busy timeout and fail with "database is locked"
+(HTTP 500). Writers in other processes still meet the busy timeout.
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ pool (5 + 10) runs dry — requests queued on the budget lock hold the connectio
 fail after its pool timeout (HTTP 500), some after their job was admitted
 (bench/service_load.py). 40 is also anyio's default number of worker threads."""
 POOL = {"pool_size": POOL_SIZE, "max_overflow": 10}  # overflow: the poller, health checks
-
-WRITER = "dptune_sqlite_writer"
-"""Connection record info key: the connection's transaction holds its engine's writer lock."""
 
 SQLITE_TIMEOUT_S = 60.0
 """How long a SQLite connection waits for another's lock (its busy timeout), and for a new
@@ -88,51 +86,79 @@ def json_loads(text: str | bytes) -> Any:
         return json.loads(text)
 
 
+class _SQLiteConnection(sqlite3.Connection):
+    """A SQLite connection that lets go of its engine's writer lock once its transaction has
+    ended in SQLite. SQLAlchemy's commit and rollback events come before the driver's COMMIT
+    or ROLLBACK: a writer let in at the event met SQLite's write lock still held, and waited
+    for it in SQLite's busy handler."""
+
+    writer: threading.Lock  # the engine's, set as the connection is made
+    holds_writer = False
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        finally:
+            self.release_writer()
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        finally:
+            self.release_writer()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.release_writer()
+
+    def release_writer(self) -> None:
+        if self.holds_writer:
+            self.holds_writer = False
+            self.writer.release()
+
+
 def _create(url: URL) -> Engine:
     options: dict[str, Any] = {"json_deserializer": json_loads, **POOL}
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, **options)
-    connect_args = {"timeout": SQLITE_TIMEOUT_S, "check_same_thread": False}
+    connect_args = {
+        "timeout": SQLITE_TIMEOUT_S,
+        "check_same_thread": False,
+        "factory": _SQLiteConnection,
+    }
     engine = create_engine(url, connect_args=connect_args, **options)
+    writer = threading.Lock()
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+    def _on_connect(dbapi_connection: _SQLiteConnection, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # no implicit BEGIN from pysqlite
+        dbapi_connection.writer = writer
         dbapi_connection.execute("PRAGMA foreign_keys=ON")
         _journal_wal(dbapi_connection)  # readers do not wait for the writer
-
-    writer = threading.Lock()
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         if not connection.get_execution_options().get(IMMEDIATE, False):
             connection.exec_driver_sql("BEGIN")
             return
-        held = connection.connection.record_info
-        if not held.get(WRITER, False):  # else kept from a transaction that ended unseen
+        dbapi_connection = connection.connection.dbapi_connection
+        if not dbapi_connection.holds_writer:  # else kept from a transaction that ended unseen
             writer.acquire()
-            held[WRITER] = True
+            dbapi_connection.holds_writer = True
         try:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         except BaseException:
-            _release(held, writer)
+            dbapi_connection.release_writer()
             raise
 
-    def _on_end(connection: Any) -> None:
-        if not connection.invalidated:  # else at its checkin
-            _release(connection.connection.record_info, writer)
+    @event.listens_for(engine.pool, "checkin")
+    def _on_checkin(dbapi_connection: _SQLiteConnection | None, _record: Any) -> None:
+        if dbapi_connection is not None:  # None: invalidated, and so closed
+            dbapi_connection.release_writer()
 
-    event.listen(engine, "commit", _on_end)
-    event.listen(engine, "rollback", _on_end)
-    event.listen(engine.pool, "checkin", lambda _dbapi, entry: _release(entry.record_info, writer))
     return engine
-
-
-def _release(info: dict[str, Any], writer: threading.Lock) -> None:
-    """End a write transaction's hold on its engine's writer lock: at its commit or rollback,
-    at the latest when its connection goes back to the pool (invalidated ones too)."""
-    if info.pop(WRITER, False):
-        writer.release()
 
 
 def _journal_wal(dbapi_connection: sqlite3.Connection) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event as sqlalchemy_event
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -467,6 +468,55 @@ def test_sqlite_writers_never_fail_with_database_is_locked(
             codes = Counter(pool.map(call, range(48)))
     assert set(codes) <= {200, 202, 409}, codes
     assert codes[202] >= 1
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_the_next_writer_is_let_in_once_the_write_has_ended_in_sqlite(
+    tmp_path, monkeypatch, end: str
+) -> None:
+    """SQLAlchemy's commit and rollback events come before the driver's COMMIT or ROLLBACK. A
+    writer let in then meets SQLite's write lock still held and waits in SQLite's busy
+    handler, and failed with "database is locked" (HTTP 500) when the end took longer than the
+    busy timeout (a loaded CI machine: tests/service/test_edges.py's 48 writers, at 20 ms).
+    Here the end is made slow (100 ms) after the events, the busy timeout is 20 ms."""
+    monkeypatch.setattr(engine, "SQLITE_TIMEOUT_S", 0.02)
+    db = create_db_engine(f"sqlite:///{tmp_path / 'w.db'}")
+    with Session(db) as session:
+        begin_write(session)
+        session.execute(text("CREATE TABLE t (x INTEGER)"))
+        session.commit()
+    ending = threading.Event()
+
+    def slow_end(_connection: Any) -> None:
+        ending.set()
+        time.sleep(0.1)
+
+    sqlalchemy_event.listen(db, end, slow_end)  # after the engine's own listeners
+    errors: list[BaseException] = []
+
+    def write_meanwhile() -> None:
+        ending.wait(timeout=10)
+        try:
+            with Session(db) as session:
+                begin_write(session)
+                session.execute(text("INSERT INTO t VALUES (2)"))
+                session.commit()
+        except BaseException as error:  # the assertion below shows it
+            errors.append(error)
+
+    other = threading.Thread(target=write_meanwhile, daemon=True)
+    other.start()
+    with Session(db) as session:
+        begin_write(session)
+        session.execute(text("INSERT INTO t VALUES (1)"))
+        session.commit() if end == "commit" else session.rollback()
+    other.join(timeout=10)
+    sqlalchemy_event.remove(db, end, slow_end)
+    assert not other.is_alive() and not errors, errors
+    with Session(db) as session:
+        rows = {x for (x,) in session.execute(text("SELECT x FROM t"))}
+    assert rows == ({1, 2} if end == "commit" else {2})
+    db.dispose()
 
 
 @pytest.mark.parametrize("end", ["commit", "rollback", "close", "error", "invalidate"])
