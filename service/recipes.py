@@ -89,7 +89,7 @@ HISTOGRAM_NOISE_MIN = 5.0
 #: noisy count S′ = B + N(0, b·σ_H²) would come within TOTAL_Z standard deviations of 0, but
 #: at least MIN_BINS
 BINS: int = AdaptiveConfig.model_fields["bins"].default
-TOTAL_Z = 5.0
+TOTAL_Z = 3.0
 MIN_BINS = 4
 
 
@@ -329,7 +329,7 @@ def histogram_bins(batch: int, histogram_noise: float) -> int:
     σ_H is large against B (at a small ε, whose σ raises σ_H) S′ comes near 0 in some steps,
     the estimated bias there is many times its value and C_{t+1} jumps, so the threshold
     wanders from step to step; the paper's own setting (B = 256, σ_H = 5, b = 20) keeps S′
-    eleven standard deviations above 0. Fewer bins keep it TOTAL_Z = 5 above."""
+    eleven standard deviations above 0. Fewer bins keep it TOTAL_Z = 3 above."""
     fit = math.floor((batch / (TOTAL_Z * histogram_noise)) ** 2)
     return max(MIN_BINS, min(BINS, fit))
 
