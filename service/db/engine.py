@@ -16,10 +16,12 @@ writers in flight one could wait out the busy timeout and fail with "database is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -96,20 +98,21 @@ class _SQLiteConnection(sqlite3.Connection):
     holds_writer = False
 
     def commit(self) -> None:
-        try:
+        with self._ending():
             super().commit()
-        finally:
-            self.release_writer()
 
     def rollback(self) -> None:
-        try:
+        with self._ending():
             super().rollback()
-        finally:
-            self.release_writer()
 
     def close(self) -> None:
-        try:
+        with self._ending():
             super().close()
+
+    @contextlib.contextmanager
+    def _ending(self) -> Iterator[None]:
+        try:
+            yield
         finally:
             self.release_writer()
 
