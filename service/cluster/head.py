@@ -349,18 +349,18 @@ def _with_free_ports(record: HeadRecord) -> HeadRecord:
     already told). No two of a head's components may share a port (``ray start`` refuses),
     yet a pinned dashboard port can be one of those recorded, and a port drawn while another
     was chosen but not listened on can repeat it."""
+    listening = record.listening_ports()
     kept = {"dashboard_port": record.dashboard_port}
-    for name, port in record.listening_ports().items():
+    for name, port in listening.items():
         if port not in kept.values() and not port_taken(port):
             kept[name] = port
-    redraw = [name for name in record.listening_ports() if name not in kept]
+    redraw = [name for name in listening if name not in kept]
     ports = kept | dict(zip(redraw, free_ports(len(redraw), avoid=kept.values()), strict=True))
-    update: dict[str, int] = dict(ports)
     span = range(record.min_worker_port, record.max_worker_port + 1)
     if any(p in ports.values() or port_taken(p) for p in span):
         low = _free_worker_range(avoid=ports.values())
-        update |= {"min_worker_port": low, "max_worker_port": low + WORKER_PORTS - 1}
-    return record.model_copy(update=update)
+        ports |= {"min_worker_port": low, "max_worker_port": low + WORKER_PORTS - 1}
+    return record.model_copy(update=ports)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
