@@ -79,6 +79,17 @@ class Service:
             f"job {job_id} still {job['status']}:\n{self.orchestrator.logs(job_id)[-4000:]}"
         )
 
+    def finished_logs(self, job_id: int, timeout: float = 60) -> str:
+        """The job's whole driver log. The runner prints its closing table after it ended the
+        job in the control plane, so the job's status there can be final before the log is:
+        this waits for the Ray job (its driver) to be over first."""
+        client, submission = self.orchestrator.client, self.orchestrator.submission_id(job_id)
+        deadline = time.monotonic() + timeout
+        while not client.get_job_status(submission).is_terminal():
+            assert time.monotonic() < deadline, client.get_job_logs(submission)[-3000:]
+            time.sleep(0.5)
+        return client.get_job_logs(submission)
+
 
 def environment(pid: int) -> dict[str, str]:
     """The environment of a running process."""

@@ -6,7 +6,6 @@ recorded them."""
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import pytest
@@ -46,21 +45,10 @@ def shown(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def finished_logs(service, job_id: int, timeout: float = 60) -> str:
-    """The job's whole log: the runner prints its closing table after it ended the job in the
-    control plane, so the log is read once the Ray job is over."""
-    client, submission = service.orchestrator.client, service.orchestrator.submission_id(job_id)
-    deadline = time.monotonic() + timeout
-    while not client.get_job_status(submission).is_terminal():
-        assert time.monotonic() < deadline, client.get_job_logs(submission)[-3000:]
-        time.sleep(0.5)
-    return client.get_job_logs(submission)
-
-
 def check_logs(service, job: dict[str, Any]) -> tuple[str, dict[int, dict]]:
     """The job's log against what the control plane recorded (the operator's trial view);
     the log (as a terminal shows it) and that record, by trial index."""
-    logs = finished_logs(service, job["id"])
+    logs = service.finished_logs(job["id"])
     # the dashboard's log viewer collapses runs of spaces: tables pad with no-break spaces
     tables = [line for line in logs.splitlines() if line.startswith(("+", "|", "╭", "│", "╰"))]
     assert tables and not any(" " in line for line in tables)

@@ -59,6 +59,7 @@ def test_unschedulable_job_is_refused_and_logs_are_for_operators(service_on: Ser
     assert page["offset"] == 0 and page["total"] >= len(page["lines"]) > 0
     assert service.client.get(logs, headers=analyst).status_code == 403
     service.wait(job["id"])
+    service.finished_logs(job["id"])  # the driver prints its closing table after the job ended
     full = service.get(f"{logs}?limit=10000")
     assert f"dptune job {job['id']}: trials" in "\n".join(full["lines"])  # its closing table
     assert full["total"] == len(full["lines"]) and full["next_offset"] == full["total"]
