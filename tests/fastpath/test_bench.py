@@ -14,7 +14,10 @@ METHODS = ["general", "fast", "fast_torchrng", "opacus_ghost"]
 
 def test_quick_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
-    args = ["--quick", "--models", "mlp", "--json", str(out), "--methods", *METHODS]
+    # the interleaved rounds go on until the fastest column has spent --seconds, and each round
+    # runs the slowest (materializing) column too: a short --seconds keeps the test short
+    args = ["--quick", "--seconds", "0.05", "--models", "mlp", "--json", str(out)]
+    args += ["--methods", *METHODS]
     done = subprocess.run(
         [sys.executable, str(BENCH), *args],
         capture_output=True,
