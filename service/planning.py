@@ -67,10 +67,7 @@ def plan_job(spec: JobSpec, dataset: Dataset, session: Session) -> PlannedJob:
             "dataset", f"dataset {dataset.id} is public: search on it as a job's 'proxy'"
         )
     proxy = _proxy(spec, dataset, session)
-    try:
-        spec, defaults = recipes.fill(spec, dataset.n)
-    except recipes.NoDefault as error:
-        raise PlanError(error.field, str(error)) from None
+    spec, defaults = recipes.fill(spec, dataset.n)
     public = all(d.public_validation for d in (dataset, *proxy))
     spec, validation_default = recipes.fill_validation(spec, dataset.n, public)
     defaults |= validation_default

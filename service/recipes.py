@@ -42,6 +42,7 @@ from core.config import AdaptiveConfig, MethodConfig, OptimizerName, ValidationC
 from core.plan import score_std
 from core.sampling import num_steps
 from core.spec import JobSpec, endpoints
+from service import planning
 
 #: q = B/N is about this on datasets too small for :data:`MAX_BATCH`
 SAMPLE_RATE = 0.25
@@ -117,14 +118,6 @@ def optimizers(spec: JobSpec) -> list[OptimizerName]:
     return [spec.optimizer.name] if dim is None else endpoints(dim)
 
 
-class NoDefault(ValueError):
-    """A field the planner cannot fill for this spec; ``field`` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 def learning_rate(
     names: list[OptimizerName], method: MethodConfig, steps: int | None = None
 ) -> float:
@@ -134,11 +127,11 @@ def learning_rate(
     it, with its noise floor: its denominators can be smaller than Adam's); SGD's step scales
     with the update's norm: automatic clipping's has its own rate (:func:`auto_rate`), Abadi's
     is at most C (an adaptive rule's initial C₀). A search across SGD and the Adam family has
-    no rate that suits both (theirs differ 50-fold or more): ``NoDefault``."""
+    no rate that suits both (theirs differ 50-fold or more): the plan names ``optimizer.lr``."""
     if "sgd" not in names:
         return ADAMBC_LR if set(names) == {"adambc"} else ADAM_LR
     if len(set(names)) > 1:
-        raise NoDefault(
+        raise planning.PlanError(
             "optimizer.lr",
             "a search over optimizer.name across SGD and the Adam family needs a learning "
             f"rate: the planner's differ 50-fold or more (SGD's {SGD_LR:g}/C or "
