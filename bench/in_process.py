@@ -154,13 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     dataset = Dataset(id=1, n=n, epsilon=100.0, delta=2 / n, public_validation=True, num_classes=10)
     with Session(create_engine("sqlite://")) as session:  # read only for lt's δ or a proxy
         planned = plan_job(JobSpec.model_validate(spec), dataset, session)
+    if not args.scaling and len(planned.plan.shapes) > 1:
+        parser.error("--spec plans a search over shapes: an untuned run has one")
+    shape = planned.plan.shapes[-1]  # a scaling job's final run
     accuracies = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "data.npz"
         part.save(path)
         run = Runner(planned, DatasetConfig(source=f"npz:{path}", num_classes=10), part)
         for _ in range(args.runs):
-            shape = planned.plan.shapes[-1]
             line = {
                 "dataset": args.dataset,
                 "epsilon": args.epsilon,
