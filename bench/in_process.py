@@ -47,6 +47,7 @@ from runner.search import (
     Candidate,
     candidates,
     final_candidate,
+    level_picks,
     scaling_candidates,
 )
 from service.db.models import Dataset
@@ -106,13 +107,9 @@ def untuned(run: Runner) -> dict[str, Any]:
 def held_final(spec: JobSpec, plan: Plan, finished: list[tuple[Candidate, float]]) -> Candidate:
     """The final run of the ``held`` rule: at the levels' picks' geometric mean, weights ε²."""
     assert plan.scaling is not None
-    picks = []
-    for level, planned in enumerate(plan.scaling.levels):
-        scores = {i: s for i, (c, s) in enumerate(finished) if c[LEVEL] == level}
-        best = spec.selection.best(scores)
-        assert best is not None
-        picks.append((planned.epsilon**2, math.log(finished[best][0][LR])))
-    rate = math.exp(sum(w * x for w, x in picks) / sum(w for w, _ in picks))
+    picks = level_picks(spec, plan, finished)
+    weights = sum(epsilon**2 for epsilon, _ in picks)
+    rate = math.exp(sum(epsilon**2 * math.log(lr) for epsilon, lr in picks) / weights)
     return {LR: rate, LEVEL: len(plan.scaling.levels)}
 
 

@@ -106,23 +106,33 @@ def fit_slope(points: Sequence[tuple[float, float]]) -> float:
     return math.exp(sum(w * x for w, x in zip(weights, logs, strict=True)) / sum(weights))
 
 
-def final_candidate(
+def level_picks(
     spec: JobSpec, plan: Plan, finished: Sequence[tuple[Candidate, float]]
-) -> Candidate | None:
-    """The final run of a scaling job, from its finished cheap runs' (parameters, DP score):
-    at each level the best score's r = lr·T, the line r = a·ε fitted through the levels'
-    (ε, r) (:func:`fit_slope`), and lr = r/T at the final run's ε. With the levels' rates
-    scaled (:func:`scaling_candidates`) that lr is the levels' picks, unscaled, their
-    geometric mean with weights ε²: within the searched rates. Its parameters carry the fit
-    (:data:`core.spec.SCALING_FIT`). None when no cheap run finished."""
+) -> list[tuple[float, float]]:
+    """(ε, lr) of each cheap level's best-scoring finished run, from the finished cheap
+    runs' (parameters, DP score); a level with none finished is left out."""
     assert plan.scaling is not None
-    steps = plan.shapes[-1].steps
-    points = []
+    picks = []
     for level, planned in enumerate(plan.scaling.levels):
         scores = {i: score for i, (c, score) in enumerate(finished) if c[LEVEL] == level}
         best = spec.selection.best(scores)
         if best is not None:
-            points.append((planned.epsilon, finished[best][0][LR] * steps))
+            picks.append((planned.epsilon, finished[best][0][LR]))
+    return picks
+
+
+def final_candidate(
+    spec: JobSpec, plan: Plan, finished: Sequence[tuple[Candidate, float]]
+) -> Candidate | None:
+    """The final run of a scaling job, from its finished cheap runs' (parameters, DP score):
+    at each level the best score's r = lr·T (:func:`level_picks`), the line r = a·ε fitted
+    through the levels' (ε, r) (:func:`fit_slope`), and lr = r/T at the final run's ε. With
+    the levels' rates scaled (:func:`scaling_candidates`) that lr is the levels' picks,
+    unscaled, their geometric mean with weights ε²: within the searched rates. Its parameters
+    carry the fit (:data:`core.spec.SCALING_FIT`). None when no cheap run finished."""
+    assert plan.scaling is not None
+    steps = plan.shapes[-1].steps
+    points = [(epsilon, lr * steps) for epsilon, lr in level_picks(spec, plan, finished)]
     if not points:
         return None
     slope = fit_slope(points)
